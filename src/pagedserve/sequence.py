@@ -1,0 +1,87 @@
+"""A sequence: one completion being generated, with its KV pages and detokenizer state."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pagedserve.outputs import TokenLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            SequenceStatus.FINISHED_STOPPED,
+            SequenceStatus.FINISHED_LENGTH,
+            SequenceStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One of a request's `n` completions; the unit the scheduler and block manager see."""
+
+    seq_id: int
+    request_id: str
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # How many of prompt + output tokens already have K/V in this sequence's pages.
+    num_computed_tokens: int = 0
+    # Of those, how many came from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    # Chained hashes of this sequence's full pages, in order (prefix caching).
+    block_hashes: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    stop_reason: str | int | None = None
+    # Incremental detokenizer state.
+    output_text: str = ""
+    prefix_offset: int = 0
+    read_offset: int = 0
+    emitted_text_len: int = 0
+    emitted_token_len: int = 0
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
