@@ -1,0 +1,126 @@
+"""`pagedserve` command line: generate, serve, bench. Flags come from the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+
+def _flag_type(tp: Any) -> Any:
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0]
+    return tp
+
+
+def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = set()) -> None:
+    """One flag per field: --field-name, help from the field's metadata."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        tp = _flag_type(hints[f.name])
+        help_text = f.metadata.get("help", "")
+        if tp is bool:
+            parser.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
+            )
+            continue
+        parser.add_argument(
+            flag,
+            type=tp,
+            default=f.default,
+            choices=f.metadata.get("choices"),
+            help=f"{help_text} (default: {f.default})",
+        )
+
+
+def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineConfig
+    from pagedserve.llm import LLM
+    from pagedserve.sampling_params import SamplingParams
+
+    cfg = dataclass_from_args(EngineConfig, args)
+    llm = LLM(**dataclasses.asdict(cfg))
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed
+    )
+    out = llm.chat([{"role": "user", "content": args.prompt}], params) if args.chat else None
+    out = out or llm.generate([args.prompt], params)
+    print(out[0].outputs[0].text)
+    return 0
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.api_server import run_server
+    from pagedserve.server.config import ServerConfig
+
+    return run_server(
+        dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args)
+    )
+
+
+def _cmd_bench_offline(args: argparse.Namespace) -> int:
+    from pagedserve.bench.offline import run_offline_bench
+
+    return run_offline_bench(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pagedserve.config import EngineConfig
+    from pagedserve.server.config import ServerConfig
+
+    parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="Print a completion of a prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--sampling-seed", type=int, default=None, help="Seed of this request")
+    gen.add_argument("--chat", action="store_true", help="Wrap the prompt in the chat template")
+    add_dataclass_flags(gen, EngineConfig)
+    gen.set_defaults(func=_cmd_generate)
+
+    serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API")
+    add_dataclass_flags(serve, EngineConfig)
+    add_dataclass_flags(serve, ServerConfig)
+    serve.set_defaults(func=_cmd_serve)
+
+    bench = sub.add_parser("bench", help="Benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    offline = bench_sub.add_parser(
+        "offline", help="Continuous batching against transformers generate(), in process"
+    )
+    offline.add_argument("--num-prompts", type=int, default=64)
+    offline.add_argument("--max-tokens", type=int, default=128)
+    offline.add_argument("--baseline-prompts", type=int, default=8, help="Prompts timed for the baseline")
+    add_dataclass_flags(offline, EngineConfig)
+    offline.set_defaults(func=_cmd_bench_offline)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:  # bad flags or an unsupported model: one clear line, no traceback
+        print(f"pagedserve: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

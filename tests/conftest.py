@@ -1,0 +1,58 @@
+"""Shared fixtures: the default model (real weights) and tiny random models built on the fly."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from pagedserve.models.loader import default_model_path
+
+# Two cores: keep torch from oversubscribing when tests run beside a server subprocess.
+torch.set_num_threads(2)
+
+PROMPTS = [
+    "The capital of France is",
+    "Once upon a time",
+    "def fibonacci(n):",
+    "Explain photosynthesis in simple terms.",
+    "1, 2, 3, 4,",
+    "The quick brown fox",
+    "Write a haiku about the sea:",
+    "In 1492, Columbus",
+]
+
+
+@pytest.fixture(scope="session")
+def default_gguf() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def hf_reference(default_gguf):
+    """transformers' own load of the same GGUF, fp32, EOS disabled for fixed-length greedy runs."""
+    from transformers import AutoModelForCausalLM
+
+    directory, name = os.path.split(default_gguf)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    ids = torch.tensor([prompt_ids])
+    with torch.no_grad():
+        out = model.generate(ids, do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+def assert_pool_whole(engine) -> None:
+    """Every page is free or held only by the prefix cache; nothing is left running."""
+    bm = engine.block_manager
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert bm.num_free_pages == bm.num_pages, f"{bm.num_used_pages} pages leaked"
+    assert all(p.ref_count == 0 for p in bm.pages)
+    assert engine.reset_prefix_cache()
+    assert bm.num_cached_pages == 0
