@@ -18,7 +18,9 @@ def _flag_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_flags(parser: argparse.ArgumentParser, cls: type, skip: set[str] = set()) -> None:
+def add_dataclass_flags(
+    parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset()
+) -> None:
     """One flag per field: --field-name, help from the field's metadata."""
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -106,14 +108,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     offline.add_argument("--num-prompts", type=int, default=64)
     offline.add_argument("--max-tokens", type=int, default=128)
-    offline.add_argument("--baseline-prompts", type=int, default=8, help="Prompts timed for the baseline")
+    offline.add_argument(
+        "--baseline-prompts", type=int, default=8, help="Prompts timed for the baseline"
+    )
     add_dataclass_flags(offline, EngineConfig)
     offline.set_defaults(func=_cmd_bench_offline)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

@@ -105,7 +105,7 @@ class LLMEngine:
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
         self.backend = get_backend(config.attention_backend, self.device)
-        max_positions = config.max_model_len or cfg.max_position_embeddings
+        max_positions = config.max_model_len or cfg.max_context
         self.model = load_model(
             self.source, cfg, self.backend, self.dtype, self.device, max_positions
         )

@@ -68,7 +68,13 @@ class TorchAttentionBackend:
             qp = qp.view(bp, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, max_q * g, d)
             kp = _gather_pages(k_cache, meta.prefill_block_tables)
             vp = _gather_pages(v_cache, meta.prefill_block_tables)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale)
-            op = op.view(bp, kvh, max_q, g, d).permute(0, 2, 1, 3, 4).reshape(bp, max_q, num_heads, d)
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale
+            )
+            op = (
+                op.view(bp, kvh, max_q, g, d)
+                .permute(0, 2, 1, 3, 4)
+                .reshape(bp, max_q, num_heads, d)
+            )
             out[nd:] = op[meta.prefill_valid]
         return out

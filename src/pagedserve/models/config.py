@@ -28,6 +28,14 @@ class ModelConfig:
     qkv_bias: bool
     eos_token_ids: list[int]
     bos_token_id: int | None
+    # Attention is full, so a sliding-window model is served within one window only.
+    sliding_window: int | None = None
+
+    @property
+    def max_context(self) -> int:
+        if self.sliding_window:
+            return min(self.max_position_embeddings, self.sliding_window)
+        return self.max_position_embeddings
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> ModelConfig:
@@ -57,4 +65,7 @@ class ModelConfig:
             qkv_bias=bool(cfg.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
+            sliding_window=cfg.get("sliding_window")
+            if cfg.get("use_sliding_window", True)
+            else None,
         )

@@ -103,8 +103,10 @@ def hf_name(gguf_name: str) -> str:
 
 def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undo llama.cpp's reordering of q/k rows for its interleaved rotary layout."""
-    return w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(
-        w.shape
+    return (
+        w.reshape(n_heads, w.shape[0] // n_heads // 2, 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
     )
 
 

@@ -62,7 +62,12 @@ def load_config(source: ModelSource) -> ModelConfig:
     if source.kind == "gguf":
         return gguf_file.read_config(source.path)
     with open(os.path.join(source.path, "config.json")) as f:
-        return ModelConfig.from_hf(json.load(f))
+        raw = json.load(f)
+    model_class((raw.get("architectures") or ["<none>"])[0])  # fail early on unknown ones
+    try:
+        return ModelConfig.from_hf(raw)
+    except KeyError as e:
+        raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}") from None
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:

@@ -1,0 +1,72 @@
+"""GGUF reading: dequantized weights, and clear errors for what is not supported."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
+
+from pagedserve.models import gguf_file
+from pagedserve.models.config import UnsupportedModelError
+
+
+def write_gguf(path, arch: str, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]]):
+    w = GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_embedding_length(32)
+    w.add_feed_forward_length(64)
+    w.add_head_count(2)
+    w.add_head_count_kv(2)
+    w.add_context_length(128)
+    w.add_vocab_size(64)
+    for name, (array, qtype) in tensors.items():
+        # uint8 arrays are already-packed blocks; float ones are quantized here.
+        data = (
+            array
+            if array.dtype == np.uint8 or qtype == GGMLQuantizationType.F32
+            else (quantize(array, qtype))
+        )
+        w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "qtype,tol",
+    [
+        (GGMLQuantizationType.F32, 0.0),
+        (GGMLQuantizationType.F16, 1e-3),
+        (GGMLQuantizationType.BF16, 1e-2),
+        (GGMLQuantizationType.Q8_0, 2e-2),
+        (GGMLQuantizationType.Q4_0, 0.2),
+        (GGMLQuantizationType.Q4_1, 0.2),
+    ],
+)
+def test_dequantized_weights_match_originals(tmp_path, qtype, tol):
+    rng = np.random.default_rng(0)
+    array = rng.standard_normal((64, 32)).astype(np.float32)
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", {"token_embd.weight": (array, qtype)})
+    cfg = gguf_file.read_config(str(path))
+    (name, tensor), *_ = list(gguf_file.iter_weights(str(path), cfg))
+    assert name == "model.embed_tokens.weight" and tensor.shape == (64, 32)
+    assert torch.allclose(tensor, torch.from_numpy(array), atol=tol * 4, rtol=0)
+
+
+def test_unsupported_quantization_is_named(tmp_path):
+    path = tmp_path / "m.gguf"
+    raw = np.zeros((64, 84), dtype=np.uint8)  # one Q2_K block (84 bytes) per row of 256
+    write_gguf(path, "llama", {"token_embd.weight": (raw, GGMLQuantizationType.Q2_K)})
+    with pytest.raises(UnsupportedModelError, match="Q2_K.*not supported"):
+        list(gguf_file.iter_weights(str(path), gguf_file.read_config(str(path))))
+
+
+def test_unsupported_architecture_is_named(tmp_path):
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "gpt2", {})
+    with pytest.raises(UnsupportedModelError, match="gpt2.*not supported"):
+        gguf_file.read_config(str(path))
