@@ -115,7 +115,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> Sa
                 continue
             entry: TokenLogprobs = {token_list[row]: chosen[row]}
             if w:
-                for tid, val in zip(top_ids[row, :w].tolist(), top_vals[row, :w].tolist(), strict=True):
+                for tid, val in zip(
+                    top_ids[row, :w].tolist(), top_vals[row, :w].tolist(), strict=True
+                ):
                     entry.setdefault(tid, val)
             logprobs[row] = entry
     return SamplerOutput(token_list, logprobs)

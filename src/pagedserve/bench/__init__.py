@@ -1,0 +1,1 @@
+"""Benchmarks: offline (in process) and, later, against a running server."""
