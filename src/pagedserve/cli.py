@@ -109,7 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
     offline.add_argument("--num-prompts", type=int, default=64)
     offline.add_argument("--max-tokens", type=int, default=128)
     offline.add_argument(
-        "--baseline-prompts", type=int, default=8, help="Prompts timed for the baseline"
+        "--baseline-prompts",
+        type=int,
+        default=8,
+        help="Prompts timed for the baseline (0: skip it)",
     )
     add_dataclass_flags(offline, EngineConfig)
     offline.set_defaults(func=_cmd_bench_offline)

@@ -52,26 +52,31 @@ def run_offline_bench(args: argparse.Namespace) -> int:
     del llm, outputs
     gc.collect()
 
-    tok, hf = load_transformers_model(args.model)
+    print(
+        f"prompts: {len(prompts)} x {args.max_tokens} output tokens, "
+        f"torch threads: {torch.get_num_threads()}"
+    )
+    print(f"pagedserve ({dtype}, continuous batching): {ours:8.1f} output tokens/s")
     n_base = min(args.baseline_prompts, len(prompts))
+    if n_base == 0:
+        return 0
+    base = _baseline_tokens_per_s(args.model, prompts[:n_base], args.max_tokens)
+    print(
+        f"transformers generate() one at a time (float32, {n_base} prompts): "
+        f"{base:8.1f} output tokens/s"
+    )
+    print(f"ratio: {ours / base:.1f}x")
+    return 0
+
+
+def _baseline_tokens_per_s(model: str | None, prompts: list[str], max_tokens: int) -> float:
+    tok, hf = load_transformers_model(model)
     with torch.inference_mode():
         hf.generate(**tok(prompts[0], return_tensors="pt"), max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
         produced = 0
-        for prompt in prompts[:n_base]:
+        for prompt in prompts:
             ids = tok(prompt, return_tensors="pt")
-            out = hf.generate(**ids, max_new_tokens=args.max_tokens, do_sample=False)
+            out = hf.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
             produced += out.shape[1] - ids.input_ids.shape[1]
-        base = produced / (time.perf_counter() - start)
-
-    print(
-        f"prompts: {len(prompts)} x {args.max_tokens} output tokens, torch threads: "
-        f"{torch.get_num_threads()}"
-    )
-    print(f"pagedserve ({dtype}, continuous batching): {ours:8.1f} output tokens/s")
-    print(
-        f"transformers generate() one at a time (float32, {n_base} prompts): {base:8.1f} "
-        "output tokens/s"
-    )
-    print(f"ratio: {ours / base:.1f}x")
-    return 0
+        return produced / (time.perf_counter() - start)
