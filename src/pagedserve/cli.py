@@ -80,6 +80,12 @@ def _cmd_bench_offline(args: argparse.Namespace) -> int:
     return run_offline_bench(args)
 
 
+def _cmd_bench_kv(args: argparse.Namespace) -> int:
+    from pagedserve.bench import kv
+
+    return kv.run_prefix_bench(args) if args.kind == "prefix" else kv.run_capacity_bench(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedserve.config import EngineConfig
     from pagedserve.server.config import ServerConfig
@@ -116,6 +122,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_dataclass_flags(offline, EngineConfig)
     offline.set_defaults(func=_cmd_bench_offline)
+
+    prefix = bench_sub.add_parser("prefix", help="Shared system prompt, prefix caching on vs off")
+    prefix.add_argument("--num-prompts", type=int, default=32)
+    prefix.add_argument("--prefix-tokens", type=int, default=1000)
+    prefix.add_argument("--max-tokens", type=int, default=16)
+    prefix.add_argument("--kv-cache-memory", default="512MiB")
+    prefix.add_argument("--model", default=None)
+    prefix.add_argument("--dtype", default="auto")
+    prefix.set_defaults(func=_cmd_bench_kv, kind="prefix")
+
+    capacity = bench_sub.add_parser("capacity", help="Sequences held at one KV budget")
+    capacity.add_argument("--num-prompts", type=int, default=256)
+    capacity.add_argument("--max-tokens", type=int, default=128)
+    capacity.add_argument("--kv-cache-memory", default="64MiB")
+    capacity.add_argument("--max-model-len", type=int, default=2048)
+    capacity.add_argument("--model", default=None)
+    capacity.add_argument("--dtype", default="auto")
+    capacity.set_defaults(func=_cmd_bench_kv, kind="capacity")
     return parser
 
 
