@@ -652,7 +652,7 @@ def engine():
     return LLMEngine(EngineConfig(dtype="float32", kv_cache_memory="64MiB", num_threads=1))
 
 
-def test_async_engine_errors_aborts_and_recovery(engine):
+def test_async_engine_errors_aborts_and_recovery(engine, monkeypatch):
     from pagedserve.async_engine import AsyncEngine, EngineStepError
     from pagedserve.sampling_params import SamplingParams
 
@@ -674,12 +674,20 @@ def test_async_engine_errors_aborts_and_recovery(engine):
         long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
         short = SamplingParams(temperature=0, max_tokens=4)
 
-        # A step that raises (a stop token id past the vocabulary, which the server would have
-        # refused with 400) fails every request in that step with an error instead of hanging.
+        # A step that raises (a fault injected into the model runner for the step that first
+        # holds "bad") fails every request in that step with an error instead of hanging them.
         good = asyncio.create_task(last(ae.generate("Hello there", long, "good")))
-        bad_params = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[10**9])
+        real_execute = engine.runner.execute
+
+        def fail_once(batch, sample_rows):
+            if any(s.seq.request_id == "bad" for s in batch):
+                monkeypatch.setattr(engine.runner, "execute", real_execute)
+                raise RuntimeError("injected fault")
+            return real_execute(batch, sample_rows)
+
+        monkeypatch.setattr(engine.runner, "execute", fail_once)
         with pytest.raises(EngineStepError):
-            await last(ae.generate("Boom", bad_params, "bad"))
+            await last(ae.generate("Boom", short, "bad"))
         with pytest.raises(EngineStepError):
             await good
         await wait_idle(ae)

@@ -209,6 +209,9 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
         max_tokens = self.check_length(len(ids), params)
+        vocab = self.model_config.vocab_size
+        if any(t < 0 or t >= vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
