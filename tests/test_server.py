@@ -541,8 +541,13 @@ def test_metrics_exported(server):
         "pagedserve_time_per_output_token_seconds_bucket",
         "pagedserve_e2e_request_latency_seconds_bucket",
         "pagedserve_request_queue_time_seconds_bucket",
+        "pagedserve_prefix_cache_queries_total",
+        "pagedserve_prefix_cache_hits_total",
+        "pagedserve_kv_cache_tokens_used",
+        "pagedserve_kv_cache_tokens_wasted",
     ]:
         assert name in text, name
+    assert metric(server.url, "pagedserve_kv_cache_tokens_total") > 0
     assert metric(server.url, "pagedserve_time_to_first_token_seconds_count") > 0
     assert metric(server.url, "pagedserve_generation_tokens_total") > 0
     assert metric(server.url, "pagedserve_request_finished_total", {"finish_reason": "length"}) > 0
@@ -553,6 +558,7 @@ def test_metrics_exported(server):
     assert metric(server.url, "pagedserve_requests_total", bad) > 0
     log = server.log()
     assert "Avg prompt throughput" in log  # logged every few seconds while busy
+    assert "Prefix cache hit rate" in log and "unfilled" in log
     assert f"Serving {MODEL}" in log and f"127.0.0.1:{server.port}" in log  # the startup line
 
 

@@ -283,7 +283,9 @@ class _LogWindow:
             f"tokens/s, Avg generation throughput: "
             f"{(s.generation_tokens - self.stats.generation_tokens) / dt:.1f} tokens/s, "
             f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
-            f"KV cache usage: {100 * s.kv_usage:.1f}%, Preemptions: {s.num_preemptions}, "
+            f"KV cache usage: {100 * s.kv_usage:.1f}% ({s.kv_slots_filled}/{s.kv_tokens_total} "
+            f"tokens, {100 * s.kv_waste:.1f}% of held slots unfilled), "
+            f"Preemptions: {s.num_preemptions}, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
 

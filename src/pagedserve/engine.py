@@ -60,6 +60,7 @@ class EngineCounters:
 class EngineStats:
     num_running: int
     num_waiting: int
+    page_size: int
     kv_pages_total: int
     kv_pages_used: int
     kv_pages_cached: int
@@ -74,6 +75,16 @@ class EngineStats:
     @property
     def kv_usage(self) -> float:
         return self.kv_pages_used / self.kv_pages_total
+
+    @property
+    def kv_tokens_total(self) -> int:
+        return self.kv_pages_total * self.page_size
+
+    @property
+    def kv_waste(self) -> float:
+        """Allocated but unfilled slots, as a fraction of the slots live sequences hold."""
+        allocated = self.kv_slots_allocated
+        return (allocated - self.kv_slots_filled) / allocated if allocated else 0.0
 
 
 def _pick_device(name: str) -> torch.device:
@@ -337,6 +348,7 @@ class LLMEngine:
         return EngineStats(
             num_running=len(live),
             num_waiting=len(self.scheduler.waiting),
+            page_size=bm.page_size,
             kv_pages_total=bm.num_pages,
             kv_pages_used=bm.num_used_pages,
             kv_pages_cached=bm.num_cached_pages,

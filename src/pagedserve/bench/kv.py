@@ -47,7 +47,7 @@ def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams)
         s = engine.stats()
         peak_running = max(peak_running, s.num_running)
         if s.kv_slots_allocated:
-            waste.append((s.kv_slots_allocated - s.kv_slots_filled) / s.kv_slots_allocated)
+            waste.append(s.kv_waste)
     return {
         "total_s": time.monotonic() - start,
         "ttft_p50_s": statistics.median(ttft),

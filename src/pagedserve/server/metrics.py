@@ -39,6 +39,13 @@ class _EngineCollector(Collector):
             ("kv_cache_usage", "Fraction of KV pages held by live sequences", s.kv_usage),
             ("kv_cache_pages_total", "KV pages in the pool", s.kv_pages_total),
             ("kv_cache_pages_cached", "KV pages holding prefix-cache entries", s.kv_pages_cached),
+            ("kv_cache_tokens_total", "Token slots in the KV pool", s.kv_tokens_total),
+            ("kv_cache_tokens_used", "KV slots filled by live sequences", s.kv_slots_filled),
+            (
+                "kv_cache_tokens_wasted",
+                "KV slots allocated to live sequences but not filled (under a page each)",
+                s.kv_slots_allocated - s.kv_slots_filled,
+            ),
         ]
         counters = [
             ("num_preemptions", "Sequences preempted for lack of KV pages", s.num_preemptions),
