@@ -21,8 +21,8 @@ serve: $(STAMP)
 	$(VENV)/bin/pagedserve serve
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 test: lint
 	$(VENV)/bin/pytest -q tests

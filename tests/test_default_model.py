@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPTS, assert_pool_whole, hf_greedy
 
+from conftest import PROMPTS, assert_pool_whole, hf_greedy
 from pagedserve import LLM, SamplingParams
 
 MAX_TOKENS = 32

@@ -7,7 +7,6 @@ import os
 
 import pytest
 import torch
-from conftest import PROMPTS, assert_pool_whole, hf_greedy
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -16,6 +15,7 @@ from transformers import (
     Qwen2Config,
 )
 
+from conftest import PROMPTS, assert_pool_whole, hf_greedy
 from pagedserve import LLM, SamplingParams
 from pagedserve.models.config import UnsupportedModelError
 

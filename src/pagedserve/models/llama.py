@@ -65,16 +65,20 @@ class Rotary(nn.Module):
         freqs = torch.outer(pos, rope_inv_freq(self.cfg)).to(device)
         self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for a step's positions, [T, 1, head_dim / 2]; shared by every layer."""
+        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
+
+    @staticmethod
+    def apply(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope
         xf = x.float()
         x1, x2 = xf.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -85,21 +89,20 @@ class Attention(nn.Module):
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.rotary = rotary
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.rotary(positions, q.view(t, self.num_heads, self.head_dim))
-        k = self.rotary(positions, k.view(t, self.num_kv_heads, self.head_dim))
+        q = Rotary.apply(rope, q.view(t, self.num_heads, self.head_dim))
+        k = Rotary.apply(rope, k.view(t, self.num_kv_heads, self.head_dim))
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(t, self.q_size))
@@ -117,15 +120,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: Rotary, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, backend)
+        self.self_attn = Attention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x, rope, kv_cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -134,10 +137,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.rotary = rotary = Rotary(cfg, max_positions)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers)
-        )
+        self.rotary = Rotary(cfg, max_positions)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
@@ -155,8 +156,9 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, kv, meta)
+            x = layer(x, rope, kv, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
