@@ -65,4 +65,12 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
         from pagedserve.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
-    raise ValueError(f"attention_backend {name!r} is not available (choose from: torch)")
+    if name == "triton":
+        try:
+            from pagedserve.attention.triton_backend import TritonAttentionBackend
+        except ImportError as e:
+            raise ValueError(
+                "attention_backend 'triton' needs the triton package (pip install triton)"
+            ) from e
+        return TritonAttentionBackend(device)
+    raise ValueError(f"attention_backend {name!r} is not available (choose from: torch, triton)")
