@@ -1,6 +1,8 @@
 """Triton attention kernels against the torch reference, on CPU under Triton's interpreter.
 
-Shapes are small on purpose: the interpreter runs each program in Python. The kernels are
+Shapes are small on purpose: the interpreter runs each program in Python. With
+PAGEDSERVE_TEST_DEVICE=cuda the same tests run the compiled kernels on a GPU instead
+(scripts/gpu_check.sh); the torch reference always runs on CPU in fp32. The kernels are
 also compiled (not run) for sm_90 in a subprocess, which catches what the interpreter lets
 through (tile shapes tl.dot refuses, type errors in the compiled path).
 """
@@ -8,10 +10,6 @@ through (tile shapes tl.dot refuses, type errors in the compiled path).
 from __future__ import annotations
 
 import os
-
-# The interpreter is chosen when a kernel is decorated, so before the kernels are imported.
-os.environ["TRITON_INTERPRET"] = "1"
-
 import subprocess
 import sys
 import textwrap
@@ -19,7 +17,17 @@ import textwrap
 import pytest
 import torch
 
+DEVICE_NAME = os.environ.get("PAGEDSERVE_TEST_DEVICE", "cpu")
+if DEVICE_NAME == "cpu":
+    # The interpreter is chosen when a kernel is decorated, so before the kernels are imported.
+    os.environ["TRITON_INTERPRET"] = "1"
+
 pytest.importorskip("triton", reason="triton is not installed (pip install -e '.[test]')")
+if DEVICE_NAME != "cpu" and not torch.cuda.is_available():
+    pytest.skip(
+        f"PAGEDSERVE_TEST_DEVICE={DEVICE_NAME} but CUDA is not available", allow_module_level=True
+    )
+DEVICE = torch.device(DEVICE_NAME)
 
 from pagedserve.attention import triton_kernels as tk  # noqa: E402
 from pagedserve.attention.backend import AttentionMetadata, get_backend  # noqa: E402
@@ -27,6 +35,13 @@ from pagedserve.attention.torch_backend import TorchAttentionBackend  # noqa: E4
 from pagedserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 
 NUM_KV_HEADS = 2
+
+
+def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Copies on the device under test (copies on CPU too: kernels write into caches)."""
+    return [t.to(DEVICE, copy=True) for t in tensors]
+
+
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
@@ -119,14 +134,16 @@ def test_write_kv(group, head_dim, dtype, page_size):
     pool = Pool([7, 1, 19], page_size, head_dim, dtype)
     meta = make_meta(pool, [1, 1, 6], [7, 1, 19])
     t = meta.slot_mapping.numel()
-    # A strided view, as the fused qkv projection would hand over.
-    kv = pool.randn(t, 2, NUM_KV_HEADS, head_dim, dtype=dtype)
-    k, v = kv[:, 0], kv[:, 1]
-    kc, vc = pool.k.clone(), pool.v.clone()
-    slots = torch.cat([meta.slot_mapping, torch.tensor([-1])])  # a padding token: no write
-    k_pad = torch.cat([k, torch.full_like(k[:1], 7.0)])
-    v_pad = torch.cat([v, torch.full_like(v[:1], 7.0)])
-    tk.write_kv(k_pad, v_pad, kc, vc, slots)
+    k = pool.randn(t, NUM_KV_HEADS, head_dim, dtype=dtype)
+    v = pool.randn(t, NUM_KV_HEADS, head_dim, dtype=dtype)
+    # One more token, a padding one (slot -1): it must write nothing.
+    slots = torch.cat([meta.slot_mapping, torch.tensor([-1])])
+    pad = torch.full((1, NUM_KV_HEADS, head_dim), 7.0, dtype=dtype)
+    # k and v as strided views into one tensor, as the fused qkv projection hands them over.
+    (kv,) = dev(torch.stack([torch.cat([k, pad]), torch.cat([v, pad])], 1))
+    kc, vc = dev(pool.k, pool.v)
+    tk.write_kv(kv[:, 0], kv[:, 1], kc, vc, slots.to(DEVICE))
+    kc, vc = kc.cpu(), vc.cpu()
     ek, ev = pool.k.clone(), pool.v.clone()
     ek.view(-1, NUM_KV_HEADS, head_dim)[meta.slot_mapping] = k
     ev.view(-1, NUM_KV_HEADS, head_dim)[meta.slot_mapping] = v
@@ -142,9 +159,9 @@ def test_decode(group, head_dim, dtype, page_size):
     q = pool.randn(len(context_lens), group * NUM_KV_HEADS, head_dim, dtype=dtype)
     expected, _, _ = reference(q, pool, meta, scale)
     out = tk.paged_decode_attention(
-        q, pool.k, pool.v, meta.decode_block_tables, meta.decode_context_lens, scale, 130
+        *dev(q, pool.k, pool.v, meta.decode_block_tables, meta.decode_context_lens), scale, 130
     )
-    assert_close(out, expected, dtype)
+    assert_close(out.cpu(), expected, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
@@ -161,16 +178,12 @@ def test_decode_split_k(num_splits, group, head_dim, dtype):
     q = pool.randn(len(context_lens), group * NUM_KV_HEADS, head_dim, dtype=dtype)
     expected, _, _ = reference(q, pool, meta, scale)
     out = tk.paged_decode_attention(
-        q,
-        pool.k,
-        pool.v,
-        meta.decode_block_tables,
-        meta.decode_context_lens,
+        *dev(q, pool.k, pool.v, meta.decode_block_tables, meta.decode_context_lens),
         scale,
         max(context_lens),
         num_splits=num_splits,
     )
-    assert_close(out, expected, dtype)
+    assert_close(out.cpu(), expected, dtype)
 
 
 @pytest.mark.parametrize(("group", "head_dim", "dtype", "page_size"), CASES, ids=CASE_IDS)
@@ -185,18 +198,11 @@ def test_prefill(group, head_dim, dtype, page_size):
     q = pool.randn(sum(q_lens), group * NUM_KV_HEADS, head_dim, dtype=dtype)
     expected, _, _ = reference(q, pool, meta, scale)
     starts = torch.cumsum(meta.prefill_q_lens, 0) - meta.prefill_q_lens
+    tensors = (q, pool.k, pool.v, meta.prefill_block_tables, starts, meta.prefill_q_lens)
     out = tk.paged_prefill_attention(
-        q,
-        pool.k,
-        pool.v,
-        meta.prefill_block_tables,
-        starts,
-        meta.prefill_q_lens,
-        meta.prefill_context_lens,
-        scale,
-        meta.prefill_max_q_len,
+        *dev(*tensors, meta.prefill_context_lens), scale, meta.prefill_max_q_len
     )
-    assert_close(out, expected, dtype)
+    assert_close(out.cpu(), expected, dtype)
 
 
 @pytest.mark.parametrize("num_splits", [None, 3])
@@ -216,21 +222,21 @@ def test_backend_mixed_step(num_splits, group, head_dim, dtype, page_size):
     v = pool.randn(t, NUM_KV_HEADS, head_dim, dtype=dtype)
     expected, ek, ev = reference(q, pool, meta, scale, k, v)
 
-    backend = TritonAttentionBackend(torch.device("cpu"), num_splits=num_splits)
-    backend.prepare(meta, page_size, group)
-    kc, vc = pool.k.clone(), pool.v.clone()
+    backend = TritonAttentionBackend(DEVICE, num_splits=num_splits)
+    backend.prepare(meta, page_size, group)  # metadata stays on CPU, as the runner builds it
+    q, k, v, kc, vc = dev(q, k, v, pool.k, pool.v)
     out = backend.forward(q, k, v, kc, vc, meta, scale)
-    assert_close(out, expected, dtype)
-    assert_close(kc, ek, dtype)
-    assert_close(vc, ev, dtype)
+    assert_close(out.cpu(), expected, dtype)
+    assert_close(kc.cpu(), ek, dtype)
+    assert_close(vc.cpu(), ev, dtype)
     # A second layer of the same step reuses the prepared tensors.
     assert backend.forward(q, k, v, kc, vc, meta, scale).shape == q.shape
 
 
 def test_get_backend():
-    assert get_backend("triton", torch.device("cpu")).name == "triton"
+    assert get_backend("triton", DEVICE).name == "triton"
     with pytest.raises(ValueError, match="not available"):
-        get_backend("flash", torch.device("cpu"))
+        get_backend("flash", DEVICE)
 
 
 def test_choose_num_splits():
@@ -291,6 +297,8 @@ def test_kernels_compile_for_sm90():
 
 def test_tiny_llama_greedy_matches_torch_backend(default_gguf, tmp_path):
     """The whole model through the Triton backend: the same greedy tokens as the torch one."""
+    if DEVICE.type != "cpu":
+        pytest.skip("the model runs on CPU here; scripts/gpu_check.sh runs it on the GPU")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
     from pagedserve import LLM, SamplingParams
