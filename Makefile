@@ -3,7 +3,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install serve test lint bench-offline clean
+.PHONY: install serve test lint bench-offline clean proto
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -26,6 +26,11 @@ lint: $(STAMP)
 
 test: lint
 	$(VENV)/bin/pytest -q tests
+
+# Regenerate the checked-in gRPC code (src/pagedserve/v1/) after editing a .proto file.
+proto: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=src --pyi_out=src --grpc_python_out=src \
+		proto/pagedserve/v1/*.proto
 
 bench-offline: $(STAMP)
 	$(VENV)/bin/pagedserve bench offline

@@ -36,6 +36,7 @@ from pagedserve.engine import LLMEngine
 from pagedserve.server import protocol as P
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
+from pagedserve.server.grpc_server import start_grpc_server
 from pagedserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from pagedserve.server.serving import (
     PROTOCOL,
@@ -138,9 +139,9 @@ class ServerState:
             raise APIError(503, msg, code="model_loading", headers={"Retry-After": "5"})
         return self.serving
 
-    def admit(self) -> Slot:
+    def admit(self, protocol: str = PROTOCOL) -> Slot:
         if self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.rejected.labels(PROTOCOL, "concurrency").inc()
+            self.metrics.rejected.labels(protocol, "concurrency").inc()
             raise APIError(
                 429,
                 f"too many requests in flight (limit {self.config.max_concurrent_requests}); "
@@ -149,7 +150,7 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
         self.in_flight += 1
-        gauge = self.metrics.in_flight.labels(PROTOCOL)
+        gauge = self.metrics.in_flight.labels(protocol)
         gauge.inc()
 
         def release() -> None:
@@ -245,7 +246,10 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         state.start_loading()
+        grpc_server = await start_grpc_server(state)  # None unless --grpc-port
         yield
+        if grpc_server is not None:
+            await grpc_server.stop()
         if state.async_engine is not None:
             state.async_engine.shutdown()
 

@@ -17,6 +17,9 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
 class ServerConfig:
     host: str = _opt("127.0.0.1", "Address to listen on (0.0.0.0 for all interfaces)")
     port: int = _opt(8000, "Port to listen on")
+    grpc_port: int | None = _opt(
+        None, "Also serve the gRPC API (proto/pagedserve/v1) on this port, same host (unset: off)"
+    )
     served_model_name: str | None = _opt(
         None, "Model id the API answers to (unset: the model's own name)"
     )
@@ -44,6 +47,11 @@ class ServerConfig:
             raise ValueError("api_key must not be blank")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grpc_port is not None:
+            if not 0 <= self.grpc_port <= 65535:
+                raise ValueError(f"grpc_port must be in [0, 65535], got {self.grpc_port}")
+            if self.grpc_port == self.port != 0:
+                raise ValueError(f"grpc_port must differ from port ({self.port})")
         if self.max_concurrent_requests < 1:
             raise ValueError("max_concurrent_requests must be >= 1")
         if self.max_request_body_bytes < 1:

@@ -283,7 +283,7 @@ class OpenAIServing:
 
     # ---- generation ----------------------------------------------------------------------
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float
+        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, protocol: str
     ) -> AsyncIterator[RequestOutput]:
         last: RequestOutput | None = None
         failed = False
@@ -298,20 +298,25 @@ class OpenAIServing:
         finally:
             await gen.aclose()  # aborts the engine request if it has not finished
             if failed:
-                self.metrics.record_error(params.n, PROTOCOL)
+                self.metrics.record_error(params.n, protocol)
             elif last is not None and last.finished:
-                self.metrics.record_finished(last, PROTOCOL)
+                self.metrics.record_finished(last, protocol)
             else:  # the client went away: the engine aborted it
                 self.metrics.record_finished(
-                    aborted_output(rid, prompt.ids, params, last), PROTOCOL
+                    aborted_output(rid, prompt.ids, params, last), protocol
                 )
 
     async def _generate(
-        self, prompts: list[Prompt], params: SamplingParams, base_id: str, arrival: float
+        self,
+        prompts: list[Prompt],
+        params: SamplingParams,
+        base_id: str,
+        arrival: float,
+        protocol: str = PROTOCOL,  # the metrics label: gRPC shares this path
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Outputs of every prompt's engine request, as (prompt index, cumulative output)."""
         if len(prompts) == 1:
-            gen = self._generate_one(prompts[0], params, f"{base_id}-0", arrival)
+            gen = self._generate_one(prompts[0], params, f"{base_id}-0", arrival, protocol)
             try:
                 async for out in gen:
                     yield 0, out
@@ -321,7 +326,7 @@ class OpenAIServing:
         merged: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, prompt: Prompt) -> None:
-            gen = self._generate_one(prompt, params, f"{base_id}-{i}", arrival)
+            gen = self._generate_one(prompt, params, f"{base_id}-{i}", arrival, protocol)
             try:
                 async for out in gen:
                     merged.put_nowait((i, out))
