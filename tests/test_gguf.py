@@ -70,3 +70,27 @@ def test_unsupported_architecture_is_named(tmp_path):
     write_gguf(path, "gpt2", {})
     with pytest.raises(UnsupportedModelError, match="gpt2.*not supported"):
         gguf_file.read_config(str(path))
+
+
+def test_q4_codes_reproduce_the_dequantized_weights(default_gguf):
+    """4-bit GGUF matrices kept as codes: same dense values as the plain path, and the packed
+    kernel computes the same products as the dense matrix."""
+    from pagedserve.models.llama import Linear
+
+    cfg = gguf_file.read_config(default_gguf)
+    plain = gguf_file.iter_weights(default_gguf, cfg)
+    kept = gguf_file.iter_weights(default_gguf, cfg, keep_q4=True)
+    seen = 0
+    for (name, dense), (name_q, weight) in zip(plain, kept, strict=True):
+        assert name == name_q
+        if not isinstance(weight, gguf_file.Q4Weight):
+            continue
+        assert torch.equal(weight.dense, dense), name  # includes q/k row permutation
+        if seen < 4 and name.endswith(("q_proj.weight", "k_proj.weight", "down_proj.weight")):
+            layer = Linear(dense.shape[1], dense.shape[0], bias=False)
+            layer.weight.data.copy_(dense)
+            layer.pack_int4([weight])
+            x = torch.randn(5, dense.shape[1])
+            assert torch.allclose(layer(x), x @ dense.t(), rtol=1e-4, atol=1e-4), name
+            seen += 1
+    assert seen == 4

@@ -49,6 +49,12 @@ class EngineConfig:
         "Weight and activation dtype",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
+    quantization: str = _opt(
+        "auto",
+        "auto: on CPU in bfloat16, keep a GGUF's Q4_0/Q4_1 matrices 4-bit too, for small steps;"
+        " none: dequantize every weight",
+        choices=["auto", "none"],
+    )
     device: str = _opt("auto", "Device: auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
     block_size: int = _opt(16, "Tokens per KV cache page")
     kv_cache_memory: str | None = _opt(

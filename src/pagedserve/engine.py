@@ -117,8 +117,14 @@ class LLMEngine:
         )
         self.backend = get_backend(config.attention_backend, self.device)
         max_positions = config.max_model_len or cfg.max_context
+        keep_q4 = (
+            config.quantization == "auto"
+            and self.dtype == torch.bfloat16
+            and self.device.type == "cpu"
+            and self.source.kind == "gguf"
+        )
         self.model = load_model(
-            self.source, cfg, self.backend, self.dtype, self.device, max_positions
+            self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_q4
         )
 
         page_size = config.block_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -43,6 +44,46 @@ _TOP_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
+
+
+# Types whose blocks are 32 four-bit codes with a scale (and an offset): value = code * d + m.
+Q4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
+Q4_GROUP = 32
+
+
+@dataclass
+class Q4Weight:
+    """A 4-bit GGUF matrix kept as codes: weight[n, k] = codes[n, k] * scale[n, g] + offset[n, g]
+    with g = k // 32. `dense` is the same matrix dequantized, for steps that prefer it."""
+
+    codes: torch.Tensor  # [N, K] uint8 in 0..15
+    scale: torch.Tensor  # [N, K / 32] float32
+    offset: torch.Tensor  # [N, K / 32] float32
+    dense: torch.Tensor  # [N, K] float32
+
+    def permute_rows(self, n_heads: int) -> Q4Weight:
+        return Q4Weight(*(torch.from_numpy(_unpermute(t.numpy(), n_heads)) for t in self.astuple()))
+
+    def astuple(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.scale, self.offset, self.dense
+
+
+def _q4_codes(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Q4Weight:
+    """Unpack Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks of 32 values each."""
+    header = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
+    blocks = np.asarray(data).reshape(-1, header + 16)
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    m = -8 * d if header == 2 else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    qs = blocks[:, header:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first, then high
+    rows, groups = shape[0], shape[1] // Q4_GROUP
+    dense = (codes * d + m).reshape(shape)
+    return Q4Weight(
+        torch.from_numpy(codes.reshape(shape)),
+        torch.from_numpy(d.reshape(rows, groups)),
+        torch.from_numpy(m.reshape(rows, groups)),
+        torch.from_numpy(dense),
+    )
 
 
 def _field(reader: GGUFReader, key: str, default=None):
@@ -110,7 +151,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def iter_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    path: str, cfg: ModelConfig, keep_q4: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
+    """HF-named weights; with keep_q4, Q4_0/Q4_1 matrices come as Q4Weight (codes + dense)."""
     reader = GGUFReader(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
@@ -121,10 +165,20 @@ def iter_weights(path: str, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tenso
                 f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
             )
         shape = tuple(int(d) for d in reversed(t.shape))
-        array = np.array(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
         name = hf_name(t.name)
+        heads = None
         if llama_layout and ".attn_q." in t.name:
-            array = _unpermute(array, cfg.num_heads)
+            heads = cfg.num_heads
         elif llama_layout and ".attn_k." in t.name:
-            array = _unpermute(array, cfg.num_kv_heads)
-        yield name, torch.from_numpy(array)
+            heads = cfg.num_kv_heads
+        if (
+            keep_q4
+            and qtype in Q4_TYPES
+            and len(shape) == 2
+            and name != "model.embed_tokens.weight"
+        ):
+            weight = _q4_codes(t.data, qtype, shape)
+            yield name, weight if heads is None else weight.permute_rows(heads)
+            continue
+        array = np.array(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
+        yield name, torch.from_numpy(array if heads is None else _unpermute(array, heads))

@@ -15,6 +15,12 @@ from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
+from pagedserve.models.gguf_file import Q4_GROUP, Q4Weight
+
+# Steps with at most this many tokens use packed 4-bit weights where a layer has them: reading
+# a quarter of the bytes wins while the step is bound by memory; bigger steps are bound by
+# arithmetic, where the dense kernel is faster.
+INT4_MAX_TOKENS = 16
 
 
 class RMSNorm(nn.Module):
@@ -48,6 +54,29 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         is_mid = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(is_mid, mid, scaled)
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may also hold its weight as packed 4-bit codes, used for small steps."""
+
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed codes, scales and zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+            packed, scales_zeros = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scales_zeros)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+    def pack_int4(self, parts: list[Q4Weight]) -> None:
+        """Pack the 4-bit codes of this layer's (fused) weight, in the kernel's layout where
+        weight = (code - 8) * scale + zero per group of 32 along the input dimension."""
+        codes = torch.cat([p.codes for p in parts]).to(torch.int32)
+        scale = torch.cat([p.scale for p in parts])
+        zero = torch.cat([p.offset for p in parts]) + 8 * scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(self.weight.dtype)
+        self.int4 = (packed, scales_zeros.contiguous())
 
 
 class Rotary(nn.Module):
@@ -87,8 +116,8 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
@@ -111,8 +140,8 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -173,11 +202,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into one matrix each."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Q4Weight]]) -> None:
+        """Load Hugging Face-named tensors, fusing q/k/v and gate/up into one matrix each.
+        4-bit weights (Q4Weight) load their dense copy and are packed for small steps too."""
         params = dict(self.named_parameters(remove_duplicate=False))
+        modules = dict(self.named_modules())
         loaded: set[str] = set()
-        for hf_name, tensor in weights:
+        q4_parts: dict[str, dict[int, Q4Weight]] = {}
+        for hf_name, weight in weights:
+            tensor = weight.dense if isinstance(weight, Q4Weight) else weight
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -185,6 +218,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
+            if isinstance(weight, Q4Weight):
+                module = ".".join(parts[:-2] + [fused[0]] if fused else parts[:-1])
+                q4_parts.setdefault(module, {})[fused[1] if fused else 0] = weight
             if fused is not None:
                 target = ".".join(parts[:-2] + [fused[0], parts[-1]])
                 param = params[target]
@@ -204,6 +240,11 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self.expected_weights() if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
+        for name, shards in q4_parts.items():
+            layer = modules[name]
+            n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rsplit(".", 1)[-1], 1)
+            if isinstance(layer, Linear) and len(shards) == n_shards:  # else: mixed types
+                layer.pack_int4([shards[i] for i in range(n_shards)])
 
     def _shard_range(self, fused: str, index: int) -> tuple[int, int]:
         c = self.cfg

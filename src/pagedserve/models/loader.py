@@ -96,9 +96,11 @@ def _safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def iter_weights(source: ModelSource, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_weights(
+    source: ModelSource, cfg: ModelConfig, keep_q4: bool = False
+) -> Iterator[tuple[str, torch.Tensor | gguf_file.Q4Weight]]:
     if source.kind == "gguf":
-        return gguf_file.iter_weights(source.path, cfg)
+        return gguf_file.iter_weights(source.path, cfg, keep_q4)
     return _safetensors_weights(source.path)
 
 
@@ -109,6 +111,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
+    keep_q4: bool = False,
 ) -> nn.Module:
     cls = model_class(cfg.architecture)
     with torch.device("meta"):
@@ -118,7 +121,9 @@ def load_model(
     model.rotary.build(device)
     total = len(model.expected_weights())
     desc = f"Loading {source.name} ({source.kind}) as {str(dtype).removeprefix('torch.')}"
-    weights = tqdm(iter_weights(source, cfg), total=total, desc=desc, unit="tensor", leave=False)
+    weights = tqdm(
+        iter_weights(source, cfg, keep_q4), total=total, desc=desc, unit="tensor", leave=False
+    )
     model.load_weights(weights)
     logger.info("loaded %s from %s", source.name, source.path)
     return model.eval()
