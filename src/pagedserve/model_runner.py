@@ -88,6 +88,7 @@ class ModelRunner:
     def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
         """Run one step; returns float32 logits of the last new token of each `sample_rows` row."""
         input_ids, positions, meta = self.build_inputs(batch)
-        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        dev = self.device
+        hidden = self.model(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
         last = torch.cumsum(_long([s.num_new_tokens for s in batch]), 0) - 1
-        return self.model.compute_logits(hidden[last[sample_rows]])
+        return self.model.compute_logits(hidden[last[sample_rows].to(dev)]).cpu()
