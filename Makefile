@@ -37,3 +37,10 @@ bench-offline: $(STAMP)
 
 clean:
 	rm -rf $(VENV)
+
+# Serving benchmark: pagedserve against a naive transformers + Flask server, one at a time;
+# regenerates benchmarks/RESULTS.md, results.json and throughput.png (20-30 minutes on 2 cores).
+.PHONY: bench
+bench: $(STAMP)
+	$(PIP) install -q -e '.[test,bench]'
+	$(PY) benchmarks/run_bench.py

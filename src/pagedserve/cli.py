@@ -86,6 +86,19 @@ def _cmd_bench_kv(args: argparse.Namespace) -> int:
     return kv.run_prefix_bench(args) if args.kind == "prefix" else kv.run_capacity_bench(args)
 
 
+def _cmd_bench_serve(args: argparse.Namespace) -> int:
+    from pagedserve.bench.serve import run_serve_bench
+
+    return run_serve_bench(args)
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers like 1,8,32, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from pagedserve.config import EngineConfig
     from pagedserve.server.config import ServerConfig
@@ -140,6 +153,46 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--model", default=None)
     capacity.add_argument("--dtype", default="auto")
     capacity.set_defaults(func=_cmd_bench_kv, kind="capacity")
+
+    srv = bench_sub.add_parser(
+        "serve", help="Load generator against a running OpenAI-compatible /v1/completions"
+    )
+    srv.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:8000")
+    srv.add_argument("--model", default=None, help="Model id (default: first of /v1/models)")
+    srv.add_argument("--concurrency", type=_int_list, default=[1, 8, 32], help="(default: 1,8,32)")
+    srv.add_argument("--num-prompts", type=int, default=64, help="Requests per level")
+    srv.add_argument("--max-tokens", type=int, default=128, help="Output tokens per request")
+    srv.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="inf: closed loop; R: Poisson arrivals at R/s, concurrency caps those in flight",
+    )
+    srv.add_argument(
+        "--dataset",
+        default=None,
+        help='JSON lines of {"prompt": ...} (default: benchmarks/prompts.jsonl)',
+    )
+    srv.add_argument(
+        "--synthetic-input-len", type=int, default=None, help="Random prompts of L tokens"
+    )
+    srv.add_argument("--tokenizer", default=None, help="For synthetic prompts (default model's)")
+    srv.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument(
+        "--unique-prompts",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="Start each prompt with a marker unique to the run, level and request, so that "
+        "prefix caches cannot reuse prompts repeated across levels",
+    )
+    srv.add_argument("--seed", type=int, default=0, help="Prompt order and arrival times")
+    srv.add_argument("--timeout", type=float, default=3600.0, help="Read timeout per request (s)")
+    srv.add_argument("--api-key", default=None)
+    srv.add_argument("--json", default=None, metavar="FILE", help="Write every figure as JSON")
+    srv.add_argument("--plot", default=None, metavar="FILE.png", help="Plot against concurrency")
+    srv.set_defaults(func=_cmd_bench_serve)
     return parser
 
 

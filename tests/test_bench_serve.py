@@ -1,0 +1,233 @@
+"""`pagedserve bench serve`: its timing and counting against scripted fake servers (httpx's
+MockTransport, no model), then end to end against a real `pagedserve serve` subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from pagedserve.bench.serve import (
+    DEFAULT_DATASET,
+    BenchConfig,
+    format_table,
+    load_dataset,
+    results_json,
+    run_benchmark,
+    synthetic_prompts,
+    tokenizer_words,
+)
+
+PROMPTS = ["one", "two", "three", "four", "five", "six"]
+
+
+def _sse(obj: dict | str) -> bytes:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n".encode()
+
+
+class FakeServer:
+    """A scripted /v1/completions: `tokens` chunks `gap_s` apart, optional usage, or errors."""
+
+    def __init__(
+        self,
+        tokens: int = 4,
+        gap_s: float = 0.01,
+        usage: bool = True,
+        fail_every: int = 0,
+        finish_chunk: bool = False,
+    ):
+        self.tokens, self.gap_s, self.usage = tokens, gap_s, usage
+        self.fail_every, self.finish_chunk = fail_every, finish_chunk
+        self.bodies: list[dict] = []
+        self.in_flight = self.max_in_flight = 0
+
+    async def handler(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/models":
+            return httpx.Response(200, json={"data": [{"id": "fake-model"}]})
+        body = json.loads(request.content)
+        self.bodies.append(body)
+        if self.fail_every and len(self.bodies) % self.fail_every == 0:
+            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+        n = min(self.tokens, body["max_tokens"])
+        if not body["stream"]:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            await asyncio.sleep(self.gap_s * n)
+            self.in_flight -= 1
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+            choice = {"index": 0, "text": "x" * n, "finish_reason": "length"}
+            return httpx.Response(200, json={"choices": [choice], "usage": usage})
+        return httpx.Response(200, content=self._stream(n, body))
+
+    async def _stream(self, n: int, body: dict):
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        for i in range(n):
+            await asyncio.sleep(self.gap_s)
+            last = i == n - 1 and not self.finish_chunk
+            choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
+            yield _sse({"choices": [choice], "usage": None})
+        if self.finish_chunk:  # vLLM-style: an empty chunk carrying only finish_reason
+            yield _sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
+        if self.usage and body.get("stream_options", {}).get("include_usage"):
+            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+            yield _sse({"choices": [], "usage": usage})
+        # Before the last yield: a client stops reading at [DONE] and never resumes us.
+        self.in_flight -= 1
+        yield _sse("[DONE]")
+
+
+def run_fake(fake: FakeServer, **cfg_kw):
+    cfg = BenchConfig(base_url="http://fake", **cfg_kw)
+    transport = httpx.MockTransport(fake.handler)
+    return asyncio.run(run_benchmark(cfg, PROMPTS, transport=transport, show_progress=False))
+
+
+def test_streaming_counts_and_times_tokens():
+    fake = FakeServer(tokens=5, gap_s=0.02)
+    model, levels = run_fake(fake, concurrency=[1, 3], max_tokens=8)
+    assert model == "fake-model"
+    assert [lv.concurrency for lv in levels] == [1, 3]
+    for lv in levels:
+        assert (lv.completed, lv.errors, lv.num_prompts) == (6, 0, 6)
+        assert lv.output_tokens == 30 and lv.input_tokens == 18
+        assert lv.ttft_ms.p50 >= 15  # the first chunk comes one gap after the request
+        assert 15 <= lv.tpot_ms.p50 < 200 and 15 <= lv.itl_ms.p50 < 200
+        assert lv.latency_ms.p50 >= 4 * 20
+    assert levels[1].output_throughput > levels[0].output_throughput * 1.5
+    warmup, *sent = fake.bodies
+    assert warmup["max_tokens"] == 4 and all(b["max_tokens"] == 8 for b in sent)
+    assert all(b["temperature"] == 0 and b["ignore_eos"] and b["stream"] for b in sent)
+    assert all(b["stream_options"] == {"include_usage": True} for b in sent)
+    assert all(b["model"] == "fake-model" for b in sent)
+
+
+def test_closed_loop_keeps_exactly_c_requests_in_flight():
+    fake = FakeServer(tokens=3, gap_s=0.02)
+    run_fake(fake, concurrency=[2], warmup=False)
+    assert fake.max_in_flight == 2
+
+
+def test_without_usage_tokens_are_counted_from_chunks():
+    fake = FakeServer(tokens=6, usage=False, finish_chunk=True)
+    _, [lv] = run_fake(fake, concurrency=[2])
+    assert lv.output_tokens == 6 * 6  # the finish-only chunk is not a token
+    assert lv.input_tokens == 0
+
+
+def test_prompts_are_unique_per_request_and_level_unless_disabled():
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1, 2])
+    prompts = [b["prompt"] for b in fake.bodies]
+    assert len(set(prompts)) == len(prompts) == 1 + 2 * 6
+    assert all(p.split("\n", 1)[1] in PROMPTS for p in prompts)
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1, 2], unique_prompts=False, warmup=False)
+    assert [b["prompt"] for b in fake.bodies] == PROMPTS * 2
+
+
+def test_non_streaming_ttft_is_latency():
+    fake = FakeServer(tokens=4, gap_s=0.01)
+    _, [lv] = run_fake(fake, concurrency=[2], stream=False)
+    assert (lv.completed, lv.output_tokens) == (6, 24)
+    assert lv.ttft_ms == lv.latency_ms
+    assert lv.tpot_ms is None and lv.itl_ms is None
+    assert "stream_options" not in fake.bodies[-1]
+    table = format_table([lv])
+    assert table.splitlines()[-1].endswith("| - | - |")
+
+
+def test_errors_are_counted_not_raised():
+    fake = FakeServer(tokens=2, fail_every=3)
+    cfg = BenchConfig(base_url="http://fake", concurrency=[1], warmup=False)
+    transport = httpx.MockTransport(fake.handler)
+    _, [lv] = asyncio.run(run_benchmark(cfg, PROMPTS, transport=transport, show_progress=False))
+    assert (lv.completed, lv.errors) == (4, 2)
+    assert lv.error_samples == ["HTTP 503: overloaded"]
+    data = json.loads(json.dumps(results_json(cfg, "fake-model", [lv])))  # JSON-safe
+    assert data["config"]["request_rate"] == "inf" and "api_key" not in data["config"]
+
+
+def test_open_loop_poisson_arrivals():
+    fake = FakeServer(tokens=2, gap_s=0.005)
+    _, [lv] = run_fake(fake, concurrency=[4], request_rate=50.0)
+    assert (lv.completed, lv.errors) == (6, 0)
+    assert not math.isinf(lv.duration_s)
+
+
+def test_shipped_dataset():
+    prompts = load_dataset(None)
+    assert DEFAULT_DATASET.name == "prompts.jsonl" and len(prompts) >= 64
+    assert len(set(prompts)) == len(prompts)
+
+
+def test_synthetic_prompts_have_the_exact_length():
+    prompts = synthetic_prompts(3, 37, seed=1, tokenizer_path=None)
+    tok, _ = tokenizer_words(None)
+    assert [len(tok(p).input_ids) for p in prompts] == [37, 37, 37]
+    assert len(set(prompts)) == 3 and prompts == synthetic_prompts(3, 37, 1, None)
+
+
+# ---- end to end -----------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def pagedserve_url(tmp_path_factory):
+    port = _free_port()
+    log = tmp_path_factory.mktemp("bench-serve") / "server.log"
+    cmd = [sys.executable, "-m", "pagedserve.cli", "serve", "--port", str(port)]
+    cmd += ["--kv-cache-memory", "128MiB"]
+    with log.open("wb") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 240
+        while True:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready:\n{log.read_text(errors='replace')}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        yield url
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def test_bench_serve_against_pagedserve(pagedserve_url, tmp_path: Path):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    cmd = [sys.executable, "-m", "pagedserve.cli", "bench", "serve", "--base-url", pagedserve_url]
+    cmd += ["--num-prompts", "4", "--max-tokens", "4", "--concurrency", "1,2"]
+    cmd += ["--json", str(out), "--plot", str(png)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(out.read_text())
+    assert data["model"] == "SmolLM2-135M-Instruct"
+    assert [lv["concurrency"] for lv in data["levels"]] == [1, 2]
+    for lv in data["levels"]:
+        assert (lv["completed"], lv["errors"], lv["output_tokens"]) == (4, 0, 16)
+        assert lv["input_tokens"] > 4 * 20  # the shipped prompts are 20 tokens or more
+        assert lv["output_throughput"] > 0 and lv["ttft_ms"]["p50"] > 0
+        assert lv["tpot_ms"]["p50"] > 0 and lv["itl_ms"]["p50"] > 0
+    assert "| 2 | 4/4 | 0 |" in result.stdout
+    assert png.stat().st_size > 10_000
