@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import torch
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
@@ -27,6 +28,17 @@ def _block_table_tensor(tables: list[list[int]]) -> torch.Tensor:
     return _long([t + [0] * (width - len(t)) for t in tables]).view(len(tables), width)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed KV tensor. Zeros, not empty: attention multiplies masked-out slots by 0, and
+    0 * NaN is NaN. On CPU it comes from calloc (through numpy), whose pages the kernel maps on
+    first write, so resident memory grows with the pages in use rather than the pool size."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    item = torch.empty((), dtype=dtype).element_size()
+    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32}[item])
+    return torch.from_numpy(raw).view(dtype)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -41,12 +53,8 @@ class ModelRunner:
         self.model, self.cfg, self.backend = model, cfg, backend
         self.page_size, self.device = page_size, device
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
-        # Zeros, not empty: attention multiplies masked-out slots by 0, and 0 * NaN is NaN.
         self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=dtype, device=device),
-                torch.zeros(shape, dtype=dtype, device=device),
-            )
+            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
             for _ in range(cfg.num_layers)
         ]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import glob
 import importlib.util
 import json
@@ -104,6 +107,30 @@ def iter_weights(
     return _safetensors_weights(source.path)
 
 
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+
+
+@contextlib.contextmanager
+def _compact_heap():
+    """Loading makes many short-lived multi-MB arrays; glibc's adaptive mmap threshold puts
+    later ones on the heap, whose holes stay resident after loading (measured: ~430 MB more
+    RSS for the default model). A fixed threshold keeps them in mmap, returned at free."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        yield
+        return
+    libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    try:
+        yield
+    finally:
+        gc.collect()
+        libc.malloc_trim(0)
+        # Step-sized temporaries (up to tens of MB) then reuse heap memory instead of paying
+        # a fresh mmap and page faults at every step.
+        libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+
+
 def load_model(
     source: ModelSource,
     cfg: ModelConfig,
@@ -124,6 +151,7 @@ def load_model(
     weights = tqdm(
         iter_weights(source, cfg, keep_q4), total=total, desc=desc, unit="tensor", leave=False
     )
-    model.load_weights(weights)
+    with _compact_heap():
+        model.load_weights(weights)
     logger.info("loaded %s from %s", source.name, source.path)
     return model.eval()
