@@ -1,8 +1,8 @@
 """Next-token choice for every sampling row of a step, as tensor code over the whole batch.
 
 Order per row: penalties -> (greedy argmax) -> temperature -> min-p, top-k, top-p -> draw.
-A draw is argmax(probs / E) with E ~ Exponential(1), which samples from `probs`; seeded rows
-take E from their own generator, so their tokens do not depend on the rest of the batch.
+Seeded rows draw from their own generator, so their tokens do not depend on the rest of the
+batch; the others share one draw over the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
 """
 
@@ -79,12 +79,17 @@ def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return probs
 
 
-def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
-    noise = torch.empty_like(probs).exponential_()
-    for row, s in enumerate(seqs):
-        if s.generator is not None:
-            noise[row].exponential_(generator=s.generator)
-    return noise
+def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """One token per row from `probs`; seeded rows draw from their own generator."""
+    seeded = [row for row, s in enumerate(seqs) if s.generator is not None]
+    tokens = (
+        torch.multinomial(probs, 1).squeeze(1)
+        if len(seeded) < len(seqs)
+        else torch.empty(len(seqs), dtype=torch.long)
+    )
+    for row in seeded:
+        tokens[row] = torch.multinomial(probs[row], 1, generator=seqs[row].generator)[0]
+    return tokens
 
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
@@ -94,13 +99,15 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> Sa
     if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
         logits = logits.clone()
         _block_stop_tokens(logits, seqs, eos_ids)
-    greedy = torch.tensor([s.params.greedy for s in seqs])
-    tokens = logits.argmax(dim=-1)
-    if not greedy.all():
+    greedy = [s.params.greedy for s in seqs]
+    if all(greedy):
+        tokens = logits.argmax(dim=-1)
+    else:
         temp = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs])
         probs = _filter(torch.softmax(logits / temp[:, None], dim=-1), seqs)
-        drawn = (probs / _exponential_noise(probs, seqs)).argmax(dim=-1)
-        tokens = torch.where(greedy, tokens, drawn)
+        tokens = _draw(probs, seqs)
+        if any(greedy):
+            tokens = torch.where(torch.tensor(greedy), logits.argmax(dim=-1), tokens)
     token_list = tokens.tolist()
 
     want = [s.params.logprobs for s in seqs]
