@@ -146,9 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefix.set_defaults(func=_cmd_bench_kv, kind="prefix")
 
     capacity = bench_sub.add_parser("capacity", help="Sequences held at one KV budget")
-    capacity.add_argument("--num-prompts", type=int, default=256)
+    capacity.add_argument("--num-prompts", type=int, default=64)
     capacity.add_argument("--max-tokens", type=int, default=128)
-    capacity.add_argument("--kv-cache-memory", default="64MiB")
+    capacity.add_argument("--kv-cache-memory", default="256MiB")
     capacity.add_argument("--max-model-len", type=int, default=2048)
     capacity.add_argument("--model", default=None)
     capacity.add_argument("--dtype", default="auto")

@@ -111,8 +111,9 @@ def run_capacity_bench(args: argparse.Namespace) -> int:
         f"| contiguous, max-model-len per sequence | {contiguous} |",
         f"| paged ({engine.block_manager.page_size}-token pages) | {result['peak_running']} |",
         "",
-        f"Paging holds {result['peak_running'] / max(contiguous, 1):.1f}x the sequences; "
-        f"allocated but unfilled slots average {result['mean_waste']:.1%} of the slots in use.",
+        f"Paging holds {result['peak_running'] / max(contiguous, 1):.1f}x the sequences "
+        f"({engine.scheduler.num_preemptions} preemptions); allocated but unfilled slots "
+        f"average {result['mean_waste']:.1%} of the slots in use.",
     ]
     print("\n".join(lines))
     return 0
