@@ -73,7 +73,22 @@ class EngineConfig:
         "auto", "Attention implementation", choices=["auto", "torch", "triton"]
     )
     seed: int = _opt(0, "Seed of the engine's random generator for unseeded requests")
-    num_threads: int | None = _opt(None, "CPU threads for torch (default: torch's choice)")
+    num_threads: int | None = _opt(
+        None,
+        "CPU threads for torch, per tensor-parallel rank (default: torch's choice; with tensor"
+        " parallelism on CPU, this host's cores shared out among its ranks)",
+    )
+    tensor_parallel_size: int = _opt(
+        1,
+        "Ranks (processes, one device each) that split every layer; rank 0 runs in the engine's"
+        " process. Started on this host, or, when RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are"
+        " set, by torchrun with pagedserve.distributed.launch (see README)",
+    )
+    tensor_parallel_timeout: float = _opt(
+        120.0,
+        "Seconds a tensor-parallel rank waits for its peers (start-up, model loading, one step)"
+        " before the engine fails; a rank that exits is noticed within a second",
+    )
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
@@ -86,6 +101,10 @@ class EngineConfig:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_memory is not None:
             parse_size(self.kv_cache_memory)
+        if self.tensor_parallel_size < 1:
+            raise ValueError("tensor_parallel_size must be >= 1")
+        if self.tensor_parallel_timeout <= 0:
+            raise ValueError("tensor_parallel_timeout must be positive")
 
     @property
     def kv_cache_bytes(self) -> int | None:

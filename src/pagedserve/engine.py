@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,13 +18,18 @@ from pagedserve import detokenizer
 from pagedserve.attention import get_backend
 from pagedserve.block_manager import BlockManager
 from pagedserve.config import EngineConfig
+from pagedserve.distributed.sharding import ShardPlan
 from pagedserve.model_runner import ModelRunner, kv_bytes_per_page
+from pagedserve.models.config import ModelConfig
 from pagedserve.models.loader import ModelSource, load_config, load_model, load_tokenizer
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedserve.distributed.executor import TensorParallelExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,45 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def kv_budget_bytes(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Bytes for KV pages on `device`, after the model's weights (a rank's shard under TP)."""
+    if config.kv_cache_bytes is not None:
+        return config.kv_cache_bytes
+    if device.type != "cuda":
+        return CPU_DEFAULT_KV_BYTES
+    # Free memory after the weights, less headroom for activations of a full step.
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(device).total_memory
+    activation_headroom = _profile_peak_activation_bytes(config, model, cfg, dtype, device)
+    budget = total * config.gpu_memory_utilization
+    return int(budget - torch.cuda.memory_allocated() - activation_headroom)
+
+
+def _profile_peak_activation_bytes(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    """Peak extra memory of a forward at the full token budget (no KV pages yet)."""
+    n = config.max_num_batched_tokens
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    with torch.inference_mode():
+        x = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
+        for layer in model.layers:
+            x = layer.mlp(layer.post_attention_layernorm(x))
+        model.compute_logits(x[-min(n, config.max_num_seqs) :])
+    return torch.cuda.max_memory_allocated() - before
+
+
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else CPU_DEFAULT_DTYPE
@@ -110,6 +155,8 @@ class LLMEngine:
         self.dtype = _pick_dtype(config.dtype, self.device)
         self.source = ModelSource.resolve(config.model)
         self.model_config = cfg = load_config(self.source)
+        if config.tensor_parallel_size > 1:
+            ShardPlan.check(cfg, config.tensor_parallel_size)  # fail before the slow parts
         self.tokenizer = load_tokenizer(self.source)
         self.eos_token_ids = sorted(
             set(cfg.eos_token_ids)
@@ -123,22 +170,34 @@ class LLMEngine:
             and self.device.type == "cpu"
             and self.source.kind == "gguf"
         )
-        self.model = load_model(
-            self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_q4
-        )
-
         page_size = config.block_size
-        per_page = kv_bytes_per_page(cfg, page_size, self.dtype)
-        num_pages = self._kv_budget_bytes() // per_page
-        if num_pages < 1:
-            raise ValueError("kv_cache_memory is too small for a single KV page")
+        self.runner: ModelRunner | TensorParallelExecutor
+        if config.tensor_parallel_size > 1:
+            from pagedserve.distributed.executor import RankSpec, TensorParallelExecutor
+
+            # Rank 0 runs in this process, the others in workers; each holds only its shard.
+            self.model = None
+            spec = RankSpec(
+                config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_q4
+            )
+            self.runner = TensorParallelExecutor(spec)
+            num_pages, per_page = self.runner.num_pages, self.runner.kv_bytes_per_page
+        else:
+            self.model = load_model(
+                self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_q4
+            )
+            per_page = kv_bytes_per_page(cfg, page_size, self.dtype)
+            budget = kv_budget_bytes(config, self.model, cfg, self.dtype, self.device)
+            num_pages = budget // per_page
+            if num_pages < 1:
+                raise ValueError("kv_cache_memory is too small for a single KV page")
+            self.runner = ModelRunner(
+                self.model, cfg, self.backend, num_pages, page_size, self.dtype, self.device
+            )
         self.max_model_len = min(max_positions, num_pages * page_size)
         self.block_manager = BlockManager(num_pages, page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.block_manager, config.max_num_batched_tokens, config.max_num_seqs
-        )
-        self.runner = ModelRunner(
-            self.model, cfg, self.backend, num_pages, page_size, self.dtype, self.device
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
@@ -158,30 +217,15 @@ class LLMEngine:
     def model_name(self) -> str:
         return self.source.name
 
-    def _kv_budget_bytes(self) -> int:
-        if self.config.kv_cache_bytes is not None:
-            return self.config.kv_cache_bytes
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_KV_BYTES
-        # Free memory after the weights, less headroom for activations of a full step.
-        torch.cuda.synchronize()
-        total = torch.cuda.get_device_properties(self.device).total_memory
-        activation_headroom = self._profile_peak_activation_bytes()
-        budget = total * self.config.gpu_memory_utilization
-        return int(budget - torch.cuda.memory_allocated() - activation_headroom)
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
+        stop = getattr(self.runner, "shutdown", None)
+        if stop is not None:
+            stop()
 
-    def _profile_peak_activation_bytes(self) -> int:
-        """Peak extra memory of a forward at the full token budget (no KV pages yet)."""
-        cfg = self.model_config
-        n = self.config.max_num_batched_tokens
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        with torch.inference_mode():
-            x = torch.zeros(n, cfg.hidden_size, dtype=self.dtype, device=self.device)
-            for layer in self.model.layers:
-                x = layer.mlp(layer.post_attention_layernorm(x))
-            self.model.compute_logits(x[-min(n, self.config.max_num_seqs) :])
-        return torch.cuda.max_memory_allocated() - before
+    def dead_reason(self) -> str | None:
+        """Why the engine can run no more steps (a tensor-parallel rank died), else None."""
+        return getattr(self.runner, "error", None)
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -39,6 +40,37 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.from_numpy(raw).view(dtype)
 
 
+@dataclass
+class StepInput:
+    """A step's flat inputs as plain host tensors: all a runner needs, and what a
+    tensor-parallel rank receives from the engine (once per step)."""
+
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    q_lens: torch.Tensor  # [B] new tokens of each row, single-token rows (decodes) first
+    context_lens: torch.Tensor  # [B] computed + new tokens
+    block_tables: torch.Tensor  # [B, max_pages]
+    sample_tokens: torch.Tensor  # [S] index among the T of each sampled row's last token
+
+
+def prepare_step(batch: list[ScheduledSeq], sample_rows: list[int]) -> StepInput:
+    """`batch` must list single-token rows (decodes) first, then multi-token chunks."""
+    lens = [s.num_new_tokens for s in batch]
+    starts = [s.seq.num_computed_tokens for s in batch]
+    ids: list[int] = []
+    for s, start, n in zip(batch, starts, lens, strict=True):
+        ids += s.seq.token_ids_slice(start, start + n)
+    lens_t, starts_t = _long(lens), _long(starts)
+    row = torch.repeat_interleave(torch.arange(len(batch)), lens_t)
+    first_token = torch.cumsum(lens_t, 0) - lens_t
+    positions = starts_t[row] + torch.arange(len(ids)) - first_token[row]
+    tables = _block_table_tensor([s.seq.block_table for s in batch])
+    last_token = first_token + lens_t - 1
+    return StepInput(
+        _long(ids), positions, lens_t, starts_t + lens_t, tables, last_token[sample_rows]
+    )
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -58,45 +90,34 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
 
-    def build_inputs(
-        self, batch: list[ScheduledSeq]
-    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """`batch` must list single-token rows (decodes) first, then multi-token chunks."""
-        lens = [s.num_new_tokens for s in batch]
-        starts = [s.seq.num_computed_tokens for s in batch]
-        ids: list[int] = []
-        for s, start, n in zip(batch, starts, lens, strict=True):
-            ids += s.seq.token_ids_slice(start, start + n)
-        lens_t, starts_t = _long(lens), _long(starts)
-        row = torch.repeat_interleave(torch.arange(len(batch)), lens_t)
-        first_token = torch.cumsum(lens_t, 0) - lens_t
-        positions = starts_t[row] + torch.arange(len(ids)) - first_token[row]
-        tables = _block_table_tensor([s.seq.block_table for s in batch])
-        page = tables[row, positions // self.page_size]
-        slot_mapping = page * self.page_size + positions % self.page_size
-
-        nd = sum(1 for n in lens if n == 1)
-        context = starts_t + lens_t
-        max_q = max(lens[nd:], default=0)
+    def build_metadata(self, step: StepInput) -> AttentionMetadata:
+        lens, context, tables = step.q_lens, step.context_lens, step.block_tables
+        row = torch.repeat_interleave(torch.arange(len(lens)), lens)
+        page = tables[row, step.positions // self.page_size]
+        slot_mapping = page * self.page_size + step.positions % self.page_size
+        nd = int((lens == 1).sum())
         meta = AttentionMetadata(
             slot_mapping=slot_mapping,
             num_decode_tokens=nd,
             decode_block_tables=tables[:nd],
             decode_context_lens=context[:nd],
-            prefill_q_lens=lens_t[nd:],
+            prefill_q_lens=lens[nd:],
             prefill_context_lens=context[nd:],
             prefill_block_tables=tables[nd:],
-            prefill_max_q_len=max_q,
+            prefill_max_q_len=int(lens[nd:].max()) if len(lens) > nd else 0,
         )
         g = self.cfg.num_heads // self.cfg.num_kv_heads
         self.backend.prepare(meta, self.page_size, g)
-        return _long(ids), positions, meta
+        return meta
 
     @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor:
+        """Float32 logits of the step's `sample_tokens` (empty on tensor-parallel ranks but 0)."""
+        meta = self.build_metadata(step)
+        dev = self.device
+        hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
+        return self.model.compute_logits(hidden[step.sample_tokens.to(dev)]).cpu()
+
     def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
         """Run one step; returns float32 logits of the last new token of each `sample_rows` row."""
-        input_ids, positions, meta = self.build_inputs(batch)
-        dev = self.device
-        hidden = self.model(input_ids.to(dev), positions.to(dev), self.kv_caches, meta)
-        last = torch.cumsum(_long([s.num_new_tokens for s in batch]), 0) - 1
-        return self.model.compute_logits(hidden[last[sample_rows].to(dev)]).cpu()
+        return self.run(prepare_step(batch, sample_rows))

@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+from gguf.gguf_reader import ReaderTensor
 from gguf.quants import dequantize
 
+from pagedserve.distributed.sharding import Shard
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 
 SUPPORTED_TYPES = {
@@ -151,10 +153,35 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+def _read_shard(
+    t: ReaderTensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], shard: Shard | None
+) -> tuple[np.ndarray, tuple[int, ...], Shard | None]:
+    """The stored data of a rank's shard of a tensor, and its shape, read without the rest
+    (the file is memory-mapped): whole rows, or whole quantization blocks of every row. A shard
+    that would split blocks comes back whole, with the cut left to make after dequantizing."""
+    data = t.data
+    if shard is None:
+        return data, shape, None
+    n = shard.stop - shard.start
+    if shard.dim == 0 and data.shape[0] == shape[0]:
+        return data[shard.start : shard.stop], (n, *shape[1:]), None
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    if shard.dim == 1 and len(shape) == 2 and shard.start % block == shard.stop % block == 0:
+        if data.shape[-1] == shape[-1]:  # stored element by element
+            return data[:, shard.start : shard.stop], (shape[0], n), None
+        start, stop = shard.start // block * type_size, shard.stop // block * type_size
+        return data[:, start:stop], (shape[0], n), None
+    return data, shape, shard
+
+
 def iter_weights(
-    path: str, cfg: ModelConfig, keep_q4: bool = False
+    path: str,
+    cfg: ModelConfig,
+    keep_q4: bool = False,
+    shard_of: Callable[[str], Shard | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
-    """HF-named weights; with keep_q4, Q4_0/Q4_1 matrices come as Q4Weight (codes + dense)."""
+    """HF-named weights; with keep_q4, Q4_0/Q4_1 matrices come as Q4Weight (codes + dense).
+    `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
     reader = GGUFReader(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
@@ -164,21 +191,25 @@ def iter_weights(
                 f"GGUF tensor {t.name!r} uses quantization {qtype.name}, which is not supported "
                 f"(supported: {', '.join(sorted(q.name for q in SUPPORTED_TYPES))})"
             )
-        shape = tuple(int(d) for d in reversed(t.shape))
         name = hf_name(t.name)
+        shard = shard_of(name) if shard_of is not None else None
+        data, shape, cut = _read_shard(t, qtype, tuple(int(d) for d in reversed(t.shape)), shard)
+        # q/k rows are reordered within each head, so a shard of whole heads unpermutes alone.
+        rows = shape[0] if cut is None or cut.dim != 0 else cut.stop - cut.start
         heads = None
-        if llama_layout and ".attn_q." in t.name:
-            heads = cfg.num_heads
-        elif llama_layout and ".attn_k." in t.name:
-            heads = cfg.num_kv_heads
+        if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
+            heads = rows // cfg.head_dim
         if (
             keep_q4
+            and cut is None
             and qtype in Q4_TYPES
             and len(shape) == 2
             and name != "model.embed_tokens.weight"
         ):
-            weight = _q4_codes(t.data, qtype, shape)
+            weight = _q4_codes(data, qtype, shape)
             yield name, weight if heads is None else weight.permute_rows(heads)
             continue
-        array = np.array(dequantize(t.data, qtype), dtype=np.float32).reshape(shape)
+        array = np.array(dequantize(data, qtype), dtype=np.float32).reshape(shape)
+        if cut is not None:
+            array = array[cut.start : cut.stop] if cut.dim == 0 else array[:, cut.start : cut.stop]
         yield name, torch.from_numpy(array if heads is None else _unpermute(array, heads))

@@ -14,13 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.distributed import layers as tp_layers
+from pagedserve.distributed.group import TPGroup
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
-from pagedserve.models.gguf_file import Q4_GROUP, Q4Weight
-
-# Steps with at most this many tokens use packed 4-bit weights where a layer has them: reading
-# a quarter of the bytes wins while the step is bound by memory; bigger steps are bound by
-# arithmetic, where the dense kernel is faster.
-INT4_MAX_TOKENS = 16
+from pagedserve.models.gguf_file import Q4Weight
+from pagedserve.models.linear import Linear
 
 
 class RMSNorm(nn.Module):
@@ -56,29 +54,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise UnsupportedModelError(f"rope scaling type {kind!r} is not supported")
 
 
-class Linear(nn.Linear):
-    """nn.Linear that may also hold its weight as packed 4-bit codes, used for small steps."""
-
-    int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed codes, scales and zeros
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
-            packed, scales_zeros = self.int4
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scales_zeros)
-            return y if self.bias is None else y + self.bias
-        return super().forward(x)
-
-    def pack_int4(self, parts: list[Q4Weight]) -> None:
-        """Pack the 4-bit codes of this layer's (fused) weight, in the kernel's layout where
-        weight = (code - 8) * scale + zero per group of 32 along the input dimension."""
-        codes = torch.cat([p.codes for p in parts]).to(torch.int32)
-        scale = torch.cat([p.scale for p in parts])
-        zero = torch.cat([p.offset for p in parts]) + 8 * scale
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(self.weight.dtype)
-        self.int4 = (packed, scales_zeros.contiguous())
-
-
 class Rotary(nn.Module):
     """Rotary embedding in the Hugging Face layout (halves rotated, not interleaved pairs)."""
 
@@ -107,7 +82,7 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_heads,
@@ -116,8 +91,9 @@ class Attention(nn.Module):
         )
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, cfg.qkv_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        qkv_size = self.q_size + 2 * self.kv_size
+        self.qkv_proj = tp_layers.column_linear(cfg.hidden_size, qkv_size, cfg.qkv_bias, tp)
+        self.o_proj = tp_layers.row_linear(self.q_size, cfg.hidden_size, tp)
         self.backend = backend
         self.scale = cfg.head_dim**-0.5
 
@@ -138,10 +114,11 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None = None):
         super().__init__()
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = tp_layers.column_linear(cfg.hidden_size, 2 * inter, False, tp)
+        self.down_proj = tp_layers.row_linear(inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -149,12 +126,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, tp: TPGroup | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, backend)
+        self.self_attn = Attention(cfg, backend, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg, tp)
 
     def forward(self, x, rope, kv_cache, meta):
         x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
@@ -162,14 +139,22 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, max_positions: int):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        backend: AttentionBackend,
+        max_positions: int,
+        tp: TPGroup | None = None,
+    ):
+        """With `tp`, `cfg` is this rank's share (ShardPlan.local_config) and the layers that
+        cross ranks are the sharded types."""
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = tp_layers.embedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.rotary = Rotary(cfg, max_positions)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = tp_layers.lm_head(cfg.hidden_size, cfg.vocab_size, tp)
         self.tie_weights()
 
     def tie_weights(self) -> None:

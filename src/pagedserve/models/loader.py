@@ -10,7 +10,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,8 @@ from tqdm import tqdm
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedserve.attention import AttentionBackend
+from pagedserve.distributed.group import TPGroup
+from pagedserve.distributed.sharding import Shard, ShardPlan
 from pagedserve.models import gguf_file
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 from pagedserve.models.registry import model_class
@@ -92,19 +94,34 @@ def _safetensors_files(directory: str) -> list[str]:
     return files
 
 
-def _safetensors_weights(directory: str) -> Iterator[tuple[str, torch.Tensor]]:
+# HF weight name -> the part of it to read (a tensor-parallel rank's shard), None: all of it.
+ShardOf = Callable[[str], Shard | None]
+
+
+def _safetensors_weights(
+    directory: str, shard_of: ShardOf | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in _safetensors_files(directory):
         with safe_open(path, framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                yield name, f.get_tensor(name)
+                shard = shard_of(name) if shard_of is not None else None
+                if shard is None:
+                    yield name, f.get_tensor(name)
+                    continue
+                # Reads only the shard's bytes from the file.
+                cut = slice(shard.start, shard.stop)
+                yield name, f.get_slice(name)[(cut,) if shard.dim == 0 else (slice(None), cut)]
 
 
 def iter_weights(
-    source: ModelSource, cfg: ModelConfig, keep_q4: bool = False
+    source: ModelSource,
+    cfg: ModelConfig,
+    keep_q4: bool = False,
+    shard_of: ShardOf | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | gguf_file.Q4Weight]]:
     if source.kind == "gguf":
-        return gguf_file.iter_weights(source.path, cfg, keep_q4)
-    return _safetensors_weights(source.path)
+        return gguf_file.iter_weights(source.path, cfg, keep_q4, shard_of)
+    return _safetensors_weights(source.path, shard_of)
 
 
 _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
@@ -139,17 +156,29 @@ def load_model(
     device: torch.device,
     max_positions: int,
     keep_q4: bool = False,
+    tp: TPGroup | None = None,
 ) -> nn.Module:
+    """The whole model; with `tp`, this rank's shard of it, reading only its slices."""
     cls = model_class(cfg.architecture)
+    plan = ShardPlan.for_rank(cfg, tp.size, tp.rank) if tp is not None else None
     with torch.device("meta"):
-        model = cls(cfg, backend, max_positions)
+        if plan is None:
+            model = cls(cfg, backend, max_positions)
+        else:
+            model = cls(plan.local_config(cfg), backend, max_positions, tp)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()
     model.rotary.build(device)
     total = len(model.expected_weights())
     desc = f"Loading {source.name} ({source.kind}) as {str(dtype).removeprefix('torch.')}"
+    shard_of = plan.checkpoint_shard if plan is not None else None
     weights = tqdm(
-        iter_weights(source, cfg, keep_q4), total=total, desc=desc, unit="tensor", leave=False
+        iter_weights(source, cfg, keep_q4, shard_of),
+        total=total,
+        desc=desc,
+        unit="tensor",
+        leave=False,
+        disable=tp is not None and tp.rank != 0,  # one bar, not one per rank
     )
     with _compact_heap():
         model.load_weights(weights)

@@ -73,6 +73,7 @@ class ServerState:
         self.async_engine: AsyncEngine | None = None
         self.serving: OpenAIServing | None = None
         self.load_error: BaseException | None = None
+        self.engine_error: str | None = None  # why the engine can run no more steps
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self.in_flight = 0
@@ -101,6 +102,7 @@ class ServerState:
         cfg = self.config
         self.async_engine = AsyncEngine(engine, cfg.log_interval_seconds)
         self.async_engine.start(self.loop)
+        self._watchdog = asyncio.ensure_future(self._watch_engine(engine))
         name = cfg.served_model_name or engine.model_name
         self.serving = OpenAIServing(self.async_engine, name, self.metrics)
         s = engine.stats()
@@ -120,6 +122,14 @@ class ServerState:
             cfg.port,
         )
 
+    async def _watch_engine(self, engine: LLMEngine) -> None:
+        """Exit (status 1) once the engine can run no more steps: a tensor-parallel rank died."""
+        while (reason := engine.dead_reason()) is None:
+            await asyncio.sleep(0.5)
+        logger.error("the engine is dead (%s): exiting", reason)
+        self.engine_error = reason
+        self.request_exit()
+
     def _load_failed(self, e: BaseException) -> None:
         logger.error("model failed to load: %s: %s", type(e).__name__, e)
         self.load_error = e
@@ -134,6 +144,8 @@ class ServerState:
                 code="shutting_down",
                 headers={"Retry-After": "5"},
             )
+        if self.engine_error is not None:
+            raise APIError(503, f"the engine is dead: {self.engine_error}", code="engine_dead")
         if self.serving is None:
             msg = "the model failed to load" if self.load_error else "the model is still loading"
             raise APIError(503, msg, code="model_loading", headers={"Retry-After": "5"})
@@ -252,6 +264,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
             await grpc_server.stop()
         if state.async_engine is not None:
             state.async_engine.shutdown()
+            state.async_engine.engine.shutdown()  # tensor-parallel workers, if any
 
     app = FastAPI(
         title="pagedserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
@@ -438,4 +451,4 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         if isinstance(state.load_error, ValueError):
             raise state.load_error  # the CLI prints it as one line and exits 2
         return 1
-    return 0
+    return 1 if state.engine_error is not None else 0

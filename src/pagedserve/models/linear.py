@@ -1,0 +1,36 @@
+"""The linear layer every model matrix uses: dense, or packed 4-bit codes for small steps."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pagedserve.models.gguf_file import Q4_GROUP, Q4Weight
+
+# Steps with at most this many tokens use packed 4-bit weights where a layer has them: reading
+# a quarter of the bytes wins while the step is bound by memory; bigger steps are bound by
+# arithmetic, where the dense kernel is faster.
+INT4_MAX_TOKENS = 16
+
+
+class Linear(nn.Linear):
+    """nn.Linear that may also hold its weight as packed 4-bit codes, used for small steps."""
+
+    int4: tuple[torch.Tensor, torch.Tensor] | None = None  # packed codes, scales and zeros
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_TOKENS:
+            packed, scales_zeros = self.int4
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, Q4_GROUP, scales_zeros)
+            return y if self.bias is None else y + self.bias
+        return super().forward(x)
+
+    def pack_int4(self, parts: list[Q4Weight]) -> None:
+        """Pack the 4-bit codes of this layer's (fused) weight, in the kernel's layout where
+        weight = (code - 8) * scale + zero per group of 32 along the input dimension."""
+        codes = torch.cat([p.codes for p in parts]).to(torch.int32)
+        scale = torch.cat([p.scale for p in parts])
+        zero = torch.cat([p.offset for p in parts]) + 8 * scale
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(self.weight.dtype)
+        self.int4 = (packed, scales_zeros.contiguous())
