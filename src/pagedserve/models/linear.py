@@ -9,8 +9,9 @@ from pagedserve.models.gguf_file import Q4_GROUP, Q4Weight
 
 # Steps with at most this many tokens use packed 4-bit weights where a layer has them: reading
 # a quarter of the bytes wins while the step is bound by memory; bigger steps are bound by
-# arithmetic, where the dense kernel is faster.
-INT4_MAX_TOKENS = 16
+# arithmetic, where the dense kernel is faster (decode steps on the reference 2-core CPU cross
+# over between 12 and 16 sequences).
+INT4_MAX_TOKENS = 12
 
 
 class Linear(nn.Linear):
