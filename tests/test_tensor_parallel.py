@@ -83,6 +83,35 @@ def test_shard_plan_replicates_kv_heads_and_rejects_what_cannot_split(default_gg
         LLM(tensor_parallel_size=4, **ENGINE)
 
 
+def test_gguf_shards_read_alone_equal_slices_of_the_whole(default_gguf):
+    """Rank 1's slices, read from the file alone (rows, or whole Q4/Q8 blocks of each row),
+    equal the same slices of whole tensors, 4-bit codes and q/k head unpermuting included."""
+    from pagedserve.models import gguf_file
+
+    cfg = read_config(default_gguf)
+    plan = ShardPlan.for_rank(cfg, 2, 1)
+    whole = gguf_file.iter_weights(default_gguf, cfg, keep_q4=True)
+    shards = gguf_file.iter_weights(default_gguf, cfg, keep_q4=True, shard_of=plan.checkpoint_shard)
+    seen = set()
+    for (name, full), (name_s, part) in zip(whole, shards, strict=True):
+        assert name == name_s
+        if not name.startswith(("model.layers.0.", "model.embed_tokens")):
+            break
+        shard = plan.checkpoint_shard(name)
+        full_parts = full.astuple() if isinstance(full, gguf_file.Q4Weight) else (full,)
+        got_parts = part.astuple() if isinstance(part, gguf_file.Q4Weight) else (part,)
+        assert type(full) is type(part), name
+        for f, g in zip(full_parts, got_parts, strict=True):
+            if shard is not None:
+                # Scales and offsets hold one column per 32 of the dense matrix's.
+                group = full_parts[-1].shape[-1] // f.shape[-1] if shard.dim == 1 else 1
+                cut = slice(shard.start // group, shard.stop // group)
+                f = f[cut] if shard.dim == 0 else f[:, cut]
+            assert torch.equal(f, g), name
+        seen.add(name.rsplit(".", 2)[-2])
+    assert {"q_proj", "k_proj", "o_proj", "down_proj", "up_proj", "embed_tokens"} <= seen
+
+
 # ---- parity with TP=1 -----------------------------------------------------------------------
 def test_default_model_tp2_equals_tp1():
     expected = generate(None, PROMPTS, GREEDY, tp=1, kv_cache_memory="64MiB")

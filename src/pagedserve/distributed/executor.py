@@ -196,7 +196,7 @@ class TensorParallelExecutor:
         logger.error("%s; the engine cannot run more steps", reason)
         for proc in self._procs.values():  # the others would only wait for their timeout
             if proc.exitcode is None:
-                proc.terminate()
+                proc.kill()
 
     def _watch(self) -> None:
         while not self._stop.wait(MONITOR_INTERVAL_S):

@@ -12,6 +12,7 @@ device type and timeout from the same flags, and the rest (model, dtype, ...) fr
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 import torch
@@ -34,6 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(env["RANK"])
     if rank == 0:
         return cli.main(argv)
+    # torchrun forwards SIGINT/SIGTERM to every rank: rank 0 drains, then stops the workers.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s [rank {rank}]: %(message)s",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -235,6 +236,8 @@ def _exit_with_parent() -> None:
 def worker_main(args: WorkerArgs) -> None:
     """Entry of a worker process spawned by the engine on this host."""
     _exit_with_parent()
+    # Ctrl-C reaches the whole process group: the engine shuts the workers down in order.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(
         level=logging.INFO,
         format=f"%(asctime)s %(levelname)s %(name)s [rank {args.rank}]: %(message)s",
