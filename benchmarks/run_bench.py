@@ -413,6 +413,23 @@ def render(data: dict, runs: dict[str, ServerRun], quick: bool) -> str:
     return "\n".join(lines)
 
 
+KV_HEADING = "## KV cache: prefix caching and paged capacity (in process, no server running)"
+
+
+def kv_section(quick: bool) -> str:
+    """The prefix-cache and KV-capacity benchmarks (issue 5), run after the servers stopped."""
+    benches = [
+        ["prefix", *(["--num-prompts", "4", "--prefix-tokens", "100"] if quick else [])],
+        ["capacity", *(["--num-prompts", "8", "--max-tokens", "16"] if quick else [])],
+    ]
+    parts = [KV_HEADING, ""]
+    for argv in benches:
+        cmd = [sys.executable, "-m", "pagedserve.cli", "bench", *argv]
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
+        parts += [f"`pagedserve bench {shlex.join(argv)}`:", "", out, ""]
+    return "\n".join(parts)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens at 1,4")
@@ -422,11 +439,22 @@ def main() -> int:
         help="Where RESULTS.md, results.json, throughput.png go (default: benchmarks/, or a "
         "temporary folder with --quick)",
     )
+    parser.add_argument(
+        "--kv-only",
+        action="store_true",
+        help="Rerun only the KV-cache section of an existing RESULTS.md",
+    )
     args = parser.parse_args()
     out_dir = Path(args.output_dir) if args.output_dir else None
     if out_dir is None:
         out_dir = Path(tempfile.gettempdir()) / "pagedserve-bench-quick" if args.quick else HERE
     out_dir.mkdir(parents=True, exist_ok=True)
+    if args.kv_only:
+        results = out_dir / "RESULTS.md"
+        serving = results.read_text().split(KV_HEADING)[0].rstrip() + "\n\n"
+        results.write_text(serving + kv_section(args.quick))
+        print(results.read_text())
+        return 0
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
 
     specs, max_tokens = plans(args.quick)
@@ -448,7 +476,8 @@ def main() -> int:
         str(out_dir / "throughput.png"),
         title=f"SmolLM2-135M-Instruct, {max_tokens} output tokens, {data['machine']['nproc']} CPUs",
     )
-    (out_dir / "RESULTS.md").write_text(render(data, runs, args.quick))
+    report = render(data, runs, args.quick).rstrip() + "\n\n" + kv_section(args.quick)
+    (out_dir / "RESULTS.md").write_text(report)
     print((out_dir / "RESULTS.md").read_text())
     print(f"wrote {out_dir}/RESULTS.md, results.json, throughput.png (server logs: {log_dir})")
     return 0
