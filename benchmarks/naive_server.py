@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
-import os
 import threading
 import time
 import uuid
@@ -25,16 +24,12 @@ import torch
 from flask import Flask, jsonify, request
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from pagedserve.models.loader import ModelSource, default_model_path
+from pagedserve.models.loader import ModelSource, default_model_path, from_pretrained_args
 
 
 def load(model_path: str):
     source = ModelSource.resolve(model_path)
-    if source.kind == "gguf":
-        directory, name = os.path.split(source.path)
-        kwargs = {"gguf_file": name}
-    else:
-        directory, kwargs = source.path, {}
+    directory, kwargs = from_pretrained_args(source)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs)
     return source.name, tokenizer, model.eval()

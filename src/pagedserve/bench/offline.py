@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import os
 import time
 
 import torch
@@ -18,7 +17,7 @@ from pagedserve.bench.prompts import benchmark_prompts
 from pagedserve.cli import dataclass_from_args
 from pagedserve.config import EngineConfig
 from pagedserve.llm import LLM
-from pagedserve.models.loader import ModelSource
+from pagedserve.models.loader import ModelSource, from_pretrained_args
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -26,11 +25,7 @@ def load_transformers_model(model: str | None):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     source = ModelSource.resolve(model)
-    if source.kind == "gguf":
-        directory, name = os.path.split(source.path)
-        kwargs = {"gguf_file": name}
-    else:
-        directory, kwargs = source.path, {}
+    directory, kwargs = from_pretrained_args(source)
     tok = AutoTokenizer.from_pretrained(directory, **kwargs)
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **kwargs).eval()
     hf.generation_config.eos_token_id = None  # fixed-length outputs, like ignore_eos

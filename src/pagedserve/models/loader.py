@@ -75,11 +75,17 @@ def load_config(source: ModelSource) -> ModelConfig:
         raise UnsupportedModelError(f"config.json lacks {e.args[0]!r}") from None
 
 
-def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+def from_pretrained_args(source: ModelSource) -> tuple[str, dict[str, str]]:
+    """Directory and keyword arguments for transformers' from_pretrained on this source."""
     if source.kind == "gguf":
         directory, name = os.path.split(source.path)
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return AutoTokenizer.from_pretrained(source.path)
+        return directory, {"gguf_file": name}
+    return source.path, {}
+
+
+def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    directory, kwargs = from_pretrained_args(source)
+    return AutoTokenizer.from_pretrained(directory, **kwargs)
 
 
 def _safetensors_files(directory: str) -> list[str]:
