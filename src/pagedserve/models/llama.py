@@ -10,14 +10,15 @@ import math
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
 from pagedserve.distributed import layers as tp_layers
 from pagedserve.distributed.group import TPGroup
+from pagedserve.models import layer_ops
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 from pagedserve.models.gguf_file import Q4Weight
+from pagedserve.models.layer_ops import RopeStep
 from pagedserve.models.linear import Linear
 
 
@@ -27,8 +28,13 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); without a residual, (norm(x), x)."""
+        if residual is None:
+            return layer_ops.rms_norm(x, self.weight, self.eps), x
+        return layer_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -69,16 +75,8 @@ class Rotary(nn.Module):
         freqs = torch.outer(pos, rope_inv_freq(self.cfg)).to(device)
         self.cos, self.sin = freqs.cos().float(), freqs.sin().float()
 
-    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for a step's positions, [T, 1, head_dim / 2]; shared by every layer."""
-        return self.cos[positions][:, None, :], self.sin[positions][:, None, :]
-
-    @staticmethod
-    def apply(rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        cos, sin = rope
-        xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    def step(self, positions: torch.Tensor) -> RopeStep:
+        return RopeStep(self.cos, self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -100,14 +98,17 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        rope: RopeStep,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = Rotary.apply(rope, q.view(t, self.num_heads, self.head_dim))
-        k = Rotary.apply(rope, k.view(t, self.num_kv_heads, self.head_dim))
+        q, k = layer_ops.apply_rotary(
+            q.view(t, self.num_heads, self.head_dim),
+            k.view(t, self.num_kv_heads, self.head_dim),
+            rope,
+        )
         v = v.view(t, self.num_kv_heads, self.head_dim)
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         return self.o_proj(out.view(t, self.q_size))
@@ -121,8 +122,7 @@ class MLP(nn.Module):
         self.down_proj = tp_layers.row_linear(inter, cfg.hidden_size, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(layer_ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -133,9 +133,13 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
-    def forward(self, x, rope, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, rope, kv_cache, meta):
+        """Pre-norm block in the (output, residual) form: the residual add is fused into the
+        next norm. Returns this block's MLP output and the residual stream before it."""
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -169,11 +173,11 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.tables(positions)
+        x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.step(positions)
         for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

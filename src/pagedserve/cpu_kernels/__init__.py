@@ -1,0 +1,37 @@
+"""Fused C++ kernels for CPU steps (cpu_ops.cpp), compiled on first use and cached.
+
+torch's extension builder compiles them for this machine's CPU (-march=native) into
+~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) once; later processes load the cached
+library in well under a second. `make install` builds them ahead of the first server start.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from pathlib import Path
+from types import ModuleType
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+# -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
+@functools.cache
+def ops() -> ModuleType:
+    from torch.utils.cpp_extension import load
+
+    start = time.monotonic()
+    module = load(
+        name="pagedserve_cpu_ops",
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp", "-lm"],
+        verbose=False,
+    )
+    if (elapsed := time.monotonic() - start) > 2:
+        logger.info("built the CPU kernels in %.0f s (cached for later starts)", elapsed)
+    return module

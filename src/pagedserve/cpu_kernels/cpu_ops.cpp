@@ -1,0 +1,302 @@
+// Fused CPU kernels for the hot path of a step: each reads its inputs once and writes once,
+// where the eager torch versions make several passes with casts between them. Math is in
+// float32 and results are rounded once to the tensor's dtype (to nearest even, as torch does).
+// Parallel loops use torch's own thread pool (at::parallel_for), so they share its threads.
+// Built with -O3 -march=native -ffast-math: the loops below are written so that the compiler
+// vectorizes them (bfloat16 converted by bit shifts, exp from glibc's vector math library);
+// fast-math allows that, so no code here relies on infinities or NaN.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::Half x) { return static_cast<float>(x); }
+inline float to_f(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_f(float v);
+template <>
+inline float from_f<float>(float v) { return v; }
+template <>
+inline at::Half from_f<at::Half>(float v) { return static_cast<at::Half>(v); }
+template <>
+inline at::BFloat16 from_f<at::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
+  return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
+}
+
+// Rows of at least this many elements of work are split across threads.
+constexpr int64_t kGrain = 16;
+
+// In place: s = softmax(s).
+inline void softmax_(float* s, int64_t n) {
+  float mx = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : mx)
+  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < n; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  const float inv = 1.f / sum;
+#pragma omp simd
+  for (int64_t t = 0; t < n; ++t) s[t] *= inv;
+}
+
+template <typename T>
+inline float dot(const T* a, const float* b, int64_t n) {
+  float acc = 0.f;
+#pragma omp simd reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) acc += to_f(a[i]) * b[i];
+  return acc;
+}
+
+template <typename T>
+void rms_norm_rows(T* out, const T* in, const T* w, int64_t rows, int64_t h,
+                   int64_t in_stride, int64_t out_stride, float eps) {
+  at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* x = in + r * in_stride;
+      T* y = out + r * out_stride;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t i = 0; i < h; ++i) {
+        float v = to_f(x[i]);
+        ss += v * v;
+      }
+      float inv = 1.f / std::sqrt(ss / static_cast<float>(h) + eps);
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) y[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
+    }
+  });
+}
+
+// Calls fn(T{}) with T the C++ type of `dtype` (float, bfloat16 or half). A plain switch, not
+// AT_DISPATCH: the loop bodies carry `#pragma omp simd`, which a macro argument cannot hold.
+template <typename Fn>
+void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(at::BFloat16{}); break;
+    case at::kHalf: fn(at::Half{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+// out = rms_norm(x) * weight; x [T, H] with dense rows, weight [H] of x's dtype.
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with dense rows");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous());
+  auto out = torch::empty(x.sizes(), x.options());
+  dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
+                            weight.data_ptr<scalar_t>(), x.size(0), x.size(1), x.stride(0),
+                            out.stride(0), static_cast<float>(eps));
+  });
+  return out;
+}
+
+// In place: residual += x (rounded to the dtype, as `x + residual` would be), then
+// x = rms_norm(residual) * weight. Both [T, H], contiguous.
+void add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+                   double eps) {
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous());
+  const int64_t rows = x.size(0), h = x.size(1);
+  dispatch(x.scalar_type(), "add_rms_norm", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* rp = residual.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        scalar_t* xr = xp + r * h;
+        scalar_t* rr = rp + r * h;
+#pragma omp simd
+        for (int64_t i = 0; i < h; ++i)
+          rr[i] = from_f<scalar_t>(to_f(xr[i]) + to_f(rr[i]));
+      }
+    });
+    rms_norm_rows<scalar_t>(xp, rp, weight.data_ptr<scalar_t>(), rows, h, h, h,
+                            static_cast<float>(eps));
+  });
+}
+
+// In place rotary embedding in the Hugging Face layout (first and second halves rotated).
+// q [T, Hq, D] and k [T, Hk, D] may be row-strided views (the split of a fused qkv output);
+// cos, sin float32 [max_positions, D / 2]; positions int64 [T].
+void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
+             const torch::Tensor& cos, const torch::Tensor& sin) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "rotary: q heads must be dense");
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "rotary: k heads must be dense");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous());
+  const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), half = d / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  dispatch(q.scalar_type(), "rotary", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0), ks = k.stride(0);
+    at::parallel_for(0, t, kGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* c = cos.data_ptr<float>() + pos[i] * half;
+        const float* s = sin.data_ptr<float>() + pos[i] * half;
+        for (int64_t head = 0; head < hq + hk; ++head) {
+          scalar_t* x = head < hq ? qp + i * qs + head * d : kp + i * ks + (head - hq) * d;
+#pragma omp simd
+          for (int64_t j = 0; j < half; ++j) {
+            float x1 = to_f(x[j]), x2 = to_f(x[j + half]);
+            x[j] = from_f<scalar_t>(x1 * c[j] - x2 * s[j]);
+            x[j + half] = from_f<scalar_t>(x2 * c[j] + x1 * s[j]);
+          }
+        }
+      }
+    });
+  });
+}
+
+// silu(gate) * up of x = [gate | up], [T, 2I] -> [T, I].
+torch::Tensor silu_and_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0);
+  const int64_t rows = x.size(0), inter = x.size(1) / 2;
+  auto out = torch::empty({rows, inter}, x.options());
+  dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* g = xp + r * 2 * inter;
+        const scalar_t* u = g + inter;
+        scalar_t* y = op + r * inter;
+#pragma omp simd
+        for (int64_t i = 0; i < inter; ++i) {
+          float gv = to_f(g[i]);
+          // Rounded after silu, as F.silu(gate) * up rounds each product.
+          scalar_t silu = from_f<scalar_t>(gv / (1.f + std::exp(-gv)));
+          y[i] = from_f<scalar_t>(to_f(silu) * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
+// [pages, page_size, Hk, D]; slot_mapping int64 [T] (flat page * page_size + offset, or -1 for
+// a token to skip).
+void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
+               torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+  TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
+              v.stride(1) == v.size(2), "write_kv: heads must be dense");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  const int64_t t = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t elem = k.element_size();
+  auto* kc = static_cast<char*>(k_cache.data_ptr());
+  auto* vc = static_cast<char*>(v_cache.data_ptr());
+  const auto* kp = static_cast<const char*>(k.data_ptr());
+  const auto* vp = static_cast<const char*>(v.data_ptr());
+  const int64_t ks = k.stride(0) * elem, vs = v.stride(0) * elem, bytes = row * elem;
+  for (int64_t i = 0; i < t; ++i) {
+    if (slots[i] < 0) continue;  // a padding token
+    std::copy_n(kp + i * ks, bytes, kc + slots[i] * bytes);
+    std::copy_n(vp + i * vs, bytes, vc + slots[i] * bytes);
+  }
+}
+
+// Decode attention straight from the pages: one query token per sequence, every query head of
+// a KV head served by one pass over that head's keys and values (grouped-query attention).
+// q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
+// [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode attention: dense q heads");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
+  const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
+  const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
+  const int64_t width = block_tables.size(1);
+  auto out = torch::empty({b, hq, d}, q.options());
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  dispatch(q.scalar_type(), "decode_attn", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t qs = q.stride(0);
+    at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> qf(g * d), acc(g * d), row(d), scores;
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t seq = unit / hk, h = unit % hk, n = lens[seq];
+        const int64_t* pages = tables + seq * width;
+        for (int64_t j = 0; j < g * d; ++j)
+          qf[j] = to_f(qp[seq * qs + h * g * d + j]) * static_cast<float>(scale);
+        scores.resize(g * n);
+        // Scores, page by page: each key row converted once, then dotted with g queries.
+        for (int64_t first = 0; first < n; first += page) {
+          const int64_t count = std::min(page, n - first);
+          const scalar_t* kr = kc + (pages[first / page] * page * hk + h) * d;
+          for (int64_t o = 0; o < count; ++o, kr += hk * d) {
+            float* rf = row.data();
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) rf[i] = to_f(kr[i]);
+            for (int64_t j = 0; j < g; ++j) scores[j * n + first + o] = dot(rf, qf.data() + j * d, d);
+          }
+        }
+        for (int64_t j = 0; j < g; ++j) softmax_(scores.data() + j * n, n);
+        std::fill(acc.begin(), acc.end(), 0.f);
+        for (int64_t first = 0; first < n; first += page) {
+          const int64_t count = std::min(page, n - first);
+          const scalar_t* vr = vc + (pages[first / page] * page * hk + h) * d;
+          for (int64_t o = 0; o < count; ++o, vr += hk * d) {
+            float* rf = row.data();
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) rf[i] = to_f(vr[i]);
+            for (int64_t j = 0; j < g; ++j) {
+              const float p = scores[j * n + first + o];
+              float* a = acc.data() + j * d;
+#pragma omp simd
+              for (int64_t i = 0; i < d; ++i) a[i] += p * rf[i];
+            }
+          }
+        }
+        scalar_t* o = op + (seq * hq + h * g) * d;
+        for (int64_t j = 0; j < g * d; ++j) o[j] = from_f<scalar_t>(acc[j]);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm_", &add_rms_norm_);
+  m.def("rotary_", &rotary_);
+  m.def("silu_and_mul", &silu_and_mul);
+  m.def("write_kv_", &write_kv_);
+  m.def("paged_decode_attention", &paged_decode_attention);
+}

@@ -1,0 +1,116 @@
+"""The fused C++ CPU kernels (pagedserve.cpu_kernels) against their torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from paged_cases import NUM_KV_HEADS, Pool, make_meta
+from pagedserve.attention.torch_backend import TorchAttentionBackend
+from pagedserve.cpu_kernels import ops
+from pagedserve.models import layer_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+# bf16 results may differ from the reference by one rounding step of the output.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    tol = TOL[expected.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 37])
+def test_rms_norm_and_residual_add(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    residual = torch.randn(rows, 96, generator=gen).to(dtype)
+    weight = torch.rand(96, generator=gen).to(dtype)
+    close(layer_ops.rms_norm(x, weight, 1e-5), layer_ops.rms_norm_torch(x, weight, 1e-5))
+
+    want_sum = x + residual
+    want = layer_ops.rms_norm_torch(want_sum, weight, 1e-5)
+    got, got_sum = layer_ops.add_rms_norm(x.clone(), residual.clone(), weight, 1e-5)
+    assert torch.equal(got_sum, want_sum)  # the residual add rounds exactly like torch's
+    close(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    x = (torch.randn(9, 2 * 80, generator=torch.Generator().manual_seed(0)) * 4).to(dtype)
+    close(layer_ops.silu_and_mul(x), layer_ops.silu_and_mul_torch(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rotary_in_place_on_fused_qkv_views(dtype):
+    gen = torch.Generator().manual_seed(1)
+    t, hq, hk, d = 6, 6, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q, k, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)  # row-strided views, as in the model
+    positions = torch.tensor([0, 5, 9, 10, 11, 63])
+    angles = torch.outer(torch.arange(64.0), 1.0 / 10000 ** (torch.arange(0, d, 2) / d))
+    rope = layer_ops.RopeStep(angles.cos(), angles.sin(), positions)
+    cos, sin = rope.gathered
+    want_q = layer_ops.rotate_torch(q.reshape(t, hq, d), cos, sin)
+    want_k = layer_ops.rotate_torch(k.reshape(t, hk, d), cos, sin)
+    v_before = v.clone()
+    got_q, got_k = layer_ops.apply_rotary(q.view(t, hq, d), k.view(t, hk, d), rope)
+    close(got_q, want_q)
+    close(got_k, want_k)
+    assert got_q.data_ptr() == qkv.data_ptr()  # written in place
+    assert torch.equal(v, v_before)
+
+
+def test_write_kv_skips_padding_slots():
+    pool = Pool([5], 4, 16, torch.float32)
+    kc, vc = pool.k.clone(), pool.v.clone()
+    k = torch.randn(2, NUM_KV_HEADS, 16)
+    v = torch.randn(2, NUM_KV_HEADS, 16)
+    slot = pool.slots(0, 3, 4)[0]
+    ops().write_kv_(k, v, kc, vc, torch.tensor([slot, -1]))
+    assert torch.equal(kc.view(-1, NUM_KV_HEADS, 16)[slot], k[0])
+    assert torch.equal(vc.view(-1, NUM_KV_HEADS, 16)[slot], v[0])
+    kc.view(-1, NUM_KV_HEADS, 16)[slot] = pool.k.view(-1, NUM_KV_HEADS, 16)[slot]
+    assert torch.equal(kc, pool.k)  # nothing else was written
+
+
+# (query heads per KV head, head_dim, dtype, page_size)
+CASES = [
+    (1, 64, torch.float32, 16),
+    (3, 64, torch.bfloat16, 16),
+    (8, 128, torch.float32, 4),
+    (3, 128, torch.bfloat16, 32),
+]
+
+
+@pytest.mark.parametrize(("group", "head_dim", "dtype", "page_size"), CASES)
+def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
+    """A mixed step (decodes of lengths 1 to 150, partly filled pages, then prefill chunks with
+    and without cached context) through the fused CPU path and the SDPA path."""
+    q_lens = [1, 1, 1, 1, 1, 9, 5]
+    contexts = [1, 16, 17, 150, 33, 9, 40]
+    pool = Pool(contexts, page_size, head_dim, dtype)
+    meta = make_meta(pool, q_lens, contexts)
+    t = sum(q_lens)
+    q = pool.randn(t, NUM_KV_HEADS * group, head_dim, dtype=dtype)
+    k = pool.randn(t, NUM_KV_HEADS, head_dim, dtype=dtype)
+    v = pool.randn(t, NUM_KV_HEADS, head_dim, dtype=dtype)
+    results = []
+    for fused in (True, False):
+        backend = TorchAttentionBackend(fused=fused)
+        backend.prepare(meta, page_size, group)
+        kc, vc = pool.k.clone(), pool.v.clone()
+        out = backend.forward(q, k, v, kc, vc, meta, head_dim**-0.5)
+        results.append((out, kc, vc))
+    (out, kc, vc), (ref, ref_kc, ref_vc) = results
+    assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
+    close(out, ref)
+
+    decode_only = make_meta(pool, q_lens[:5], contexts[:5], write=False)
+    backend = TorchAttentionBackend(fused=True)
+    backend.prepare(decode_only, page_size, group)
+    empty = torch.empty(0, NUM_KV_HEADS, head_dim, dtype=dtype)
+    got = backend.forward(q[:5], empty, empty, kc, vc, decode_only, head_dim**-0.5)
+    close(got, ref[:5])
