@@ -6,10 +6,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from pagedserve.distributed.group import TPGroup
-from pagedserve.models.linear import Linear
+from pagedserve.models.linear import Embedding, Linear
 
 
 class ColumnParallelLinear(Linear):
@@ -29,7 +28,7 @@ class RowParallelLinear(Linear):
         return self.tp.all_reduce(super().forward(x))
 
 
-class VocabParallelEmbedding(nn.Embedding):
+class VocabParallelEmbedding(Embedding):
     """Rows [rank * n, (rank + 1) * n) of the vocabulary; other ids look up zeros, and an
     all-reduce assembles every token's row from the rank that holds it."""
 
@@ -45,7 +44,7 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 
-class ParallelLMHead(nn.Linear):
+class ParallelLMHead(Linear):
     """Logits of this rank's vocabulary rows, gathered to rank 0 (the sampler's); the other
     ranks return an empty tensor."""
 
@@ -70,13 +69,13 @@ def row_linear(in_features: int, out_features: int, tp: TPGroup | None) -> Linea
     return RowParallelLinear(in_features, out_features, tp)
 
 
-def embedding(num_embeddings: int, embedding_dim: int, tp: TPGroup | None) -> nn.Embedding:
+def embedding(num_embeddings: int, embedding_dim: int, tp: TPGroup | None) -> Embedding:
     if tp is None:
-        return nn.Embedding(num_embeddings, embedding_dim)
+        return Embedding(num_embeddings, embedding_dim)
     return VocabParallelEmbedding(num_embeddings, embedding_dim, tp)
 
 
-def lm_head(in_features: int, vocab_size: int, tp: TPGroup | None) -> nn.Linear:
+def lm_head(in_features: int, vocab_size: int, tp: TPGroup | None) -> Linear:
     if tp is None:
-        return nn.Linear(in_features, vocab_size, bias=False)
+        return Linear(in_features, vocab_size, bias=False)
     return ParallelLMHead(in_features, vocab_size, tp)

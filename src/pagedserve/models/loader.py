@@ -130,7 +130,26 @@ def iter_weights(
     return _safetensors_weights(source.path, shard_of)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
+_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+_M_ARENA_MAX = -8
+
+
+def _libc() -> ctypes.CDLL | None:
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc: nothing to tune
+        return None
+
+
+def use_one_malloc_arena() -> None:
+    """Call before starting threads that allocate (a loading thread, the engine thread).
+
+    glibc gives each such thread its own arena, where the heap tuning of `_compact_heap`
+    does not reach: loading the default model in a thread left ~320 MB more resident than in
+    the main thread. With a single arena they share the main heap; its lock costs nothing
+    measurable next to a step."""
+    if (libc := _libc()) is not None:
+        libc.mallopt(_M_ARENA_MAX, 1)
 
 
 @contextlib.contextmanager
@@ -138,9 +157,7 @@ def _compact_heap():
     """Loading makes many short-lived multi-MB arrays; glibc's adaptive mmap threshold puts
     later ones on the heap, whose holes stay resident after loading (measured: ~430 MB more
     RSS for the default model). A fixed threshold keeps them in mmap, returned at free."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:  # not glibc: nothing to tune
+    if (libc := _libc()) is None:
         yield
         return
     libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)

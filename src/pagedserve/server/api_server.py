@@ -33,6 +33,7 @@ from pagedserve import __version__
 from pagedserve.async_engine import AsyncEngine
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine
+from pagedserve.models.loader import use_one_malloc_arena
 from pagedserve.server import protocol as P
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
@@ -96,6 +97,7 @@ class ServerState:
                 return
             loop.call_soon_threadsafe(self._loaded, engine)
 
+        use_one_malloc_arena()
         threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
 
     def _loaded(self, engine: LLMEngine) -> None:
