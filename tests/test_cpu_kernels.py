@@ -9,6 +9,7 @@ from paged_cases import NUM_KV_HEADS, Pool, make_meta
 from pagedserve.attention.torch_backend import TorchAttentionBackend
 from pagedserve.cpu_kernels import ops
 from pagedserve.models import layer_ops
+from pagedserve.models.linear import Linear
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the reference by one rounding step of the output.
@@ -114,3 +115,18 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
     empty = torch.empty(0, NUM_KV_HEADS, head_dim, dtype=dtype)
     got = backend.forward(q[:5], empty, empty, kc, vc, decode_only, head_dim**-0.5)
     close(got, ref[:5])
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_in_blocked_layout(bias):
+    gen = torch.Generator().manual_seed(2)
+    layer = Linear(64, 48, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.weight.copy_(torch.randn(48, 64, generator=gen))
+        if bias:
+            layer.bias.copy_(torch.randn(48, generator=gen))
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.use_blocked_layout(keep_weight=False)
+    assert layer.weight.numel() == 0  # the plain copy is freed
+    close(layer(x), want)

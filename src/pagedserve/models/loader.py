@@ -24,6 +24,7 @@ from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import Shard, ShardPlan
 from pagedserve.models import gguf_file
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
+from pagedserve.models.linear import Linear
 from pagedserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -205,5 +206,14 @@ def load_model(
     )
     with _compact_heap():
         model.load_weights(weights)
+        if (
+            device.type == "cpu"
+            and dtype == torch.bfloat16
+            and torch.backends.mkldnn.is_available()
+        ):
+            tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+            for module in model.modules():
+                if isinstance(module, Linear):
+                    module.use_blocked_layout(keep_weight=id(module.weight) in tied)
     logger.info("loaded %s from %s", source.name, source.path)
     return model.eval()
