@@ -225,8 +225,55 @@ void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_
   }
 }
 
-// Decode attention straight from the pages: one query token per sequence, every query head of
-// a KV head served by one pass over that head's keys and values (grouped-query attention).
+// One (sequence, KV head) of decode attention: the g query heads that share the KV head are
+// served by one pass over its keys and one over its values. D is the head size when known at
+// compile time (fully unrolled loops), 0 for any other size.
+template <typename T, int64_t D>
+void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pages, int64_t n,
+                 int64_t page, int64_t hk, int64_t h, int64_t g, int64_t d_runtime, float scale,
+                 std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
+  const int64_t d = D ? D : d_runtime;
+  qf.resize(g * d);
+  acc.assign(g * d, 0.f);
+  scores.resize(g * n);
+  for (int64_t j = 0; j < g * d; ++j) qf[j] = to_f(q[j]) * scale;
+  const int64_t row_stride = hk * d;
+  for (int64_t first = 0; first < n; first += page) {  // scores, page by page
+    const int64_t count = std::min(page, n - first);
+    const T* kr = kc + (pages[first / page] * page * hk + h) * d;
+    for (int64_t o = 0; o < count; ++o, kr += row_stride) {
+      float row[D ? D : 256];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) row[i] = to_f(kr[i]);
+      for (int64_t j = 0; j < g; ++j) {
+        const float* qj = qf.data() + j * d;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < d; ++i) dot += row[i] * qj[i];
+        scores[j * n + first + o] = dot;
+      }
+    }
+  }
+  for (int64_t j = 0; j < g; ++j) softmax_(scores.data() + j * n, n);
+  for (int64_t first = 0; first < n; first += page) {  // weighted sum of values
+    const int64_t count = std::min(page, n - first);
+    const T* vr = vc + (pages[first / page] * page * hk + h) * d;
+    for (int64_t o = 0; o < count; ++o, vr += row_stride) {
+      float row[D ? D : 256];
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) row[i] = to_f(vr[i]);
+      for (int64_t j = 0; j < g; ++j) {
+        const float p = scores[j * n + first + o];
+        float* a = acc.data() + j * d;
+#pragma omp simd
+        for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
+      }
+    }
+  }
+  for (int64_t j = 0; j < g * d; ++j) out[j] = from_f<T>(acc[j]);
+}
+
+// Decode attention straight from the pages: one query token per sequence, no gathered copy.
 // q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
 torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
@@ -237,6 +284,7 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
+  TORCH_CHECK(d <= 256, "decode attention: head size above 256");
   const int64_t width = block_tables.size(1);
   auto out = torch::empty({b, hq, d}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -248,44 +296,16 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const scalar_t* vc = v_cache.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
+    const auto unit_fn = d == 64    ? decode_unit<scalar_t, 64>
+                         : d == 128 ? decode_unit<scalar_t, 128>
+                                    : decode_unit<scalar_t, 0>;
     at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> qf(g * d), acc(g * d), row(d), scores;
+      std::vector<float> qf, acc, scores;
       for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t seq = unit / hk, h = unit % hk, n = lens[seq];
-        const int64_t* pages = tables + seq * width;
-        for (int64_t j = 0; j < g * d; ++j)
-          qf[j] = to_f(qp[seq * qs + h * g * d + j]) * static_cast<float>(scale);
-        scores.resize(g * n);
-        // Scores, page by page: each key row converted once, then dotted with g queries.
-        for (int64_t first = 0; first < n; first += page) {
-          const int64_t count = std::min(page, n - first);
-          const scalar_t* kr = kc + (pages[first / page] * page * hk + h) * d;
-          for (int64_t o = 0; o < count; ++o, kr += hk * d) {
-            float* rf = row.data();
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) rf[i] = to_f(kr[i]);
-            for (int64_t j = 0; j < g; ++j) scores[j * n + first + o] = dot(rf, qf.data() + j * d, d);
-          }
-        }
-        for (int64_t j = 0; j < g; ++j) softmax_(scores.data() + j * n, n);
-        std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t first = 0; first < n; first += page) {
-          const int64_t count = std::min(page, n - first);
-          const scalar_t* vr = vc + (pages[first / page] * page * hk + h) * d;
-          for (int64_t o = 0; o < count; ++o, vr += hk * d) {
-            float* rf = row.data();
-#pragma omp simd
-            for (int64_t i = 0; i < d; ++i) rf[i] = to_f(vr[i]);
-            for (int64_t j = 0; j < g; ++j) {
-              const float p = scores[j * n + first + o];
-              float* a = acc.data() + j * d;
-#pragma omp simd
-              for (int64_t i = 0; i < d; ++i) a[i] += p * rf[i];
-            }
-          }
-        }
-        scalar_t* o = op + (seq * hq + h * g) * d;
-        for (int64_t j = 0; j < g * d; ++j) o[j] = from_f<scalar_t>(acc[j]);
+        const int64_t seq = unit / hk, h = unit % hk;
+        unit_fn(qp + seq * qs + h * g * d, kc, vc, op + (seq * hq + h * g) * d,
+                tables + seq * width, lens[seq], page, hk, h, g, d, static_cast<float>(scale), qf,
+                acc, scores);
       }
     });
   });
