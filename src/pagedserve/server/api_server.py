@@ -436,6 +436,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         app,
         host=server_config.host,
         port=server_config.port,
+        loop="uvloop",
+        http="httptools",
         log_config=None,
         log_level="info",
         access_log=server_config.access_log,
