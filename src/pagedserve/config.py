@@ -58,7 +58,7 @@ class EngineConfig:
     device: str = _opt("auto", "Device: auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
     block_size: int = _opt(16, "Tokens per KV cache page")
     kv_cache_memory: str | None = _opt(
-        None, "Bytes for the KV cache pool, e.g. 512MiB or 2GiB (CPU default: 1GiB)"
+        None, "Bytes for the KV cache pool, e.g. 512MiB or 2GiB (CPU default: 512MiB)"
     )
     gpu_memory_utilization: float = _opt(
         0.9, "Fraction of GPU memory for weights, activations and KV cache"
