@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
+import shutil
 import time
 from pathlib import Path
 from types import ModuleType
@@ -24,6 +26,10 @@ CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-
 def ops() -> ModuleType:
     from torch.utils.cpp_extension import load
 
+    if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH
+        import ninja  # the pip package's binary, for a venv that is not activated
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     start = time.monotonic()
     module = load(
         name="pagedserve_cpu_ops",
