@@ -133,22 +133,23 @@ class TorchAttentionBackend:
         nd = meta.num_decode_tokens
         # Callers may pass no new K/V (the pages already hold them); then read every key there.
         with_new_kv = k.shape[0] == q.shape[0]
+        decoded = None
         if self.fused:
-            kernels = ops()
-            kernels.write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
-            if not plan.prefill_rows:
-                return kernels.paged_decode_attention(
-                    q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+            ops().write_kv_(k, v, k_cache, v_cache, meta.slot_mapping)
+            if nd:
+                tables, lens = meta.decode_block_tables, meta.decode_context_lens
+                decoded = ops().paged_decode_attention(
+                    q[:nd], k_cache, v_cache, tables, lens, scale
                 )
+                if not plan.prefill_rows:
+                    return decoded
         else:
             k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
             v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
 
         out = torch.empty_like(q)
-        if self.fused and nd:
-            out[:nd] = kernels.paged_decode_attention(
-                q[:nd], k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
-            )
+        if decoded is not None:
+            out[:nd] = decoded
         for group in plan.decode_groups:
             qd = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
             qd = qd.view(-1, kvh, g, d)

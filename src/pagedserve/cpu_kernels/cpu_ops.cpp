@@ -225,6 +225,24 @@ void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_
   }
 }
 
+// Calls fn(t, row) for the first n tokens of one KV head in a paged cache [pages, page_size,
+// Hk, D], in order, with token t's row of head h converted to float32 (D: as decode_unit).
+template <typename T, int64_t D, typename Fn>
+inline void for_each_row(const T* cache, const int64_t* pages, int64_t n, int64_t page,
+                         int64_t hk, int64_t h, int64_t d_runtime, Fn&& fn) {
+  const int64_t d = D ? D : d_runtime;
+  float row[D ? D : 256];
+  for (int64_t first = 0; first < n; first += page) {
+    const int64_t count = std::min(page, n - first);
+    const T* r = cache + (pages[first / page] * page * hk + h) * d;
+    for (int64_t o = 0; o < count; ++o, r += hk * d) {
+#pragma omp simd
+      for (int64_t i = 0; i < d; ++i) row[i] = to_f(r[i]);
+      fn(first + o, row);
+    }
+  }
+}
+
 // One (sequence, KV head) of decode attention: the g query heads that share the KV head are
 // served by one pass over its keys and one over its values. D is the head size when known at
 // compile time (fully unrolled loops), 0 for any other size.
@@ -237,39 +255,25 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
   acc.assign(g * d, 0.f);
   scores.resize(g * n);
   for (int64_t j = 0; j < g * d; ++j) qf[j] = to_f(q[j]) * scale;
-  const int64_t row_stride = hk * d;
-  for (int64_t first = 0; first < n; first += page) {  // scores, page by page
-    const int64_t count = std::min(page, n - first);
-    const T* kr = kc + (pages[first / page] * page * hk + h) * d;
-    for (int64_t o = 0; o < count; ++o, kr += row_stride) {
-      float row[D ? D : 256];
-#pragma omp simd
-      for (int64_t i = 0; i < d; ++i) row[i] = to_f(kr[i]);
-      for (int64_t j = 0; j < g; ++j) {
-        const float* qj = qf.data() + j * d;
-        float dot = 0.f;
+  // Scores, then the weighted sum of values: one walk over the head's pages each.
+  for_each_row<T, D>(kc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float* qj = qf.data() + j * d;
+      float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < d; ++i) dot += row[i] * qj[i];
-        scores[j * n + first + o] = dot;
-      }
+      for (int64_t i = 0; i < d; ++i) dot += row[i] * qj[i];
+      scores[j * n + t] = dot;
     }
-  }
+  });
   for (int64_t j = 0; j < g; ++j) softmax_(scores.data() + j * n, n);
-  for (int64_t first = 0; first < n; first += page) {  // weighted sum of values
-    const int64_t count = std::min(page, n - first);
-    const T* vr = vc + (pages[first / page] * page * hk + h) * d;
-    for (int64_t o = 0; o < count; ++o, vr += row_stride) {
-      float row[D ? D : 256];
+  for_each_row<T, D>(vc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
+    for (int64_t j = 0; j < g; ++j) {
+      const float p = scores[j * n + t];
+      float* a = acc.data() + j * d;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) row[i] = to_f(vr[i]);
-      for (int64_t j = 0; j < g; ++j) {
-        const float p = scores[j * n + first + o];
-        float* a = acc.data() + j * d;
-#pragma omp simd
-        for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
-      }
+      for (int64_t i = 0; i < d; ++i) a[i] += p * row[i];
     }
-  }
+  });
   for (int64_t j = 0; j < g * d; ++j) out[j] = from_f<T>(acc[j]);
 }
 
