@@ -30,6 +30,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -90,8 +91,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tree_rss(pid: int) -> int:
-    """Resident bytes of a process and all its children (shared pages counted in each)."""
+def _tree_sum(pid: int, measure: Callable[[psutil.Process], float]) -> float:
+    """`measure` summed over a process and all its children (those that exit meanwhile: 0)."""
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
@@ -100,26 +101,19 @@ def tree_rss(pid: int) -> int:
     total = 0
     for p in procs:
         try:
-            total += p.memory_info().rss
+            total += measure(p)
         except psutil.NoSuchProcess:
             pass
     return total
+
+
+def tree_rss(pid: int) -> int:
+    """Resident bytes of a process and all its children (shared pages counted in each)."""
+    return int(_tree_sum(pid, lambda p: p.memory_info().rss))
 
 
 def tree_cpu_s(pid: int) -> float:
-    try:
-        proc = psutil.Process(pid)
-        procs = [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for p in procs:
-        try:
-            t = p.cpu_times()
-            total += t.user + t.system
-        except psutil.NoSuchProcess:
-            pass
-    return total
+    return float(_tree_sum(pid, lambda p: sum(p.cpu_times()[:2])))  # user + system
 
 
 def cpu_snapshot(server_pid: int) -> tuple[float, float, float]:
