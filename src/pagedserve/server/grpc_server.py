@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # api_server imports this module
 logger = logging.getLogger(__name__)
 
 PROTOCOL = "grpc"
+DEADLINE_SLACK_S = 0.25
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"].full_name
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 _NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -130,8 +131,10 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except (asyncio.CancelledError, GeneratorExit):
             # The client cancelled or its deadline passed: grpc cancels this task, and the
             # generator's cleanup has aborted the engine request (freeing its pages).
+            # A client cancels at its own deadline, which runs a little ahead of ours (the
+            # request took time to arrive): a cancel that close to the deadline is the deadline.
             remaining = context.time_remaining()
-            expired = remaining is not None and remaining <= 0
+            expired = remaining is not None and remaining <= DEADLINE_SLACK_S
             status = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except grpc.aio.AbortError:
