@@ -90,16 +90,17 @@ def test_gguf_shards_read_alone_equal_slices_of_the_whole(default_gguf):
 
     cfg = read_config(default_gguf)
     plan = ShardPlan.for_rank(cfg, 2, 1)
-    whole = gguf_file.iter_weights(default_gguf, cfg, keep_q4=True)
-    shards = gguf_file.iter_weights(default_gguf, cfg, keep_q4=True, shard_of=plan.checkpoint_shard)
+    whole = gguf_file.iter_weights(default_gguf, cfg, keep_quant=True)
+    shard_of = plan.checkpoint_shard
+    shards = gguf_file.iter_weights(default_gguf, cfg, keep_quant=True, shard_of=shard_of)
     seen = set()
     for (name, full), (name_s, part) in zip(whole, shards, strict=True):
         assert name == name_s
         if not name.startswith(("model.layers.0.", "model.embed_tokens")):
             break
         shard = plan.checkpoint_shard(name)
-        full_parts = full.astuple() if isinstance(full, gguf_file.Q4Weight) else (full,)
-        got_parts = part.astuple() if isinstance(part, gguf_file.Q4Weight) else (part,)
+        full_parts = full.astuple() if isinstance(full, gguf_file.QuantWeight) else (full,)
+        got_parts = part.astuple() if isinstance(part, gguf_file.QuantWeight) else (part,)
         assert type(full) is type(part), name
         for f, g in zip(full_parts, got_parts, strict=True):
             if shard is not None:

@@ -51,8 +51,8 @@ class EngineConfig:
     )
     quantization: str = _opt(
         "auto",
-        "auto: on CPU in bfloat16, keep a GGUF's Q4_0/Q4_1 matrices 4-bit too, for small steps;"
-        " none: dequantize every weight",
+        "auto: on a CPU with AMX in bfloat16, keep a GGUF's Q4_0/Q4_1/Q8_0 matrices packed"
+        " (read at 4-8 bits a weight); none: dequantize every weight",
         choices=["auto", "none"],
     )
     device: str = _opt("auto", "Device: auto, cpu or cuda", choices=["auto", "cpu", "cuda"])

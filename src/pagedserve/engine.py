@@ -22,6 +22,7 @@ from pagedserve.distributed.sharding import ShardPlan
 from pagedserve.model_runner import ModelRunner, kv_bytes_per_page
 from pagedserve.models.config import ModelConfig
 from pagedserve.models.loader import ModelSource, load_config, load_model, load_tokenizer
+from pagedserve.models.quant_weight import packed_kernels_available
 from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
@@ -168,11 +169,12 @@ class LLMEngine:
         )
         self.backend = get_backend(config.attention_backend, self.device)
         max_positions = config.max_model_len or cfg.max_context
-        keep_q4 = (
+        keep_quant = (
             config.quantization == "auto"
             and self.dtype == torch.bfloat16
             and self.device.type == "cpu"
             and self.source.kind == "gguf"
+            and packed_kernels_available()
         )
         page_size = config.block_size
         self.runner: ModelRunner | TensorParallelExecutor
@@ -182,13 +184,13 @@ class LLMEngine:
             # Rank 0 runs in this process, the others in workers; each holds only its shard.
             self.model = None
             spec = RankSpec(
-                config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_q4
+                config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_quant
             )
             self.runner = TensorParallelExecutor(spec)
             num_pages, per_page = self.runner.num_pages, self.runner.kv_bytes_per_page
         else:
             self.model = load_model(
-                self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_q4
+                self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_quant
             )
             per_page = kv_bytes_per_page(cfg, page_size, self.dtype)
             budget = kv_budget_bytes(config, self.model, cfg, self.dtype, self.device)

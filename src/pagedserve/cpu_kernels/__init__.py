@@ -1,4 +1,5 @@
-"""Fused C++ kernels for CPU steps (cpu_ops.cpp), compiled on first use and cached.
+"""Fused C++ kernels for CPU steps (cpu_ops.cpp, quant_linear.cpp), compiled on first use and
+cached.
 
 torch's extension builder compiles them for this machine's CPU (-march=native) into
 ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) once; later processes load the cached
@@ -17,7 +18,7 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+SOURCES = [Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "quant_linear.cpp")]
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
 
@@ -33,7 +34,7 @@ def ops() -> ModuleType:
     start = time.monotonic()
     module = load(
         name="pagedserve_cpu_ops",
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp", "-lm"],
         verbose=False,

@@ -7,6 +7,8 @@
 // fast-math allows that, so no code here relies on infinities or NaN.
 #include <torch/extension.h>
 
+#include "quant_linear.h"
+
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -323,4 +325,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul);
   m.def("write_kv_", &write_kv_);
   m.def("paged_decode_attention", &paged_decode_attention);
+  m.def("amx_available", &amx_available);
+  m.def("quant_linear", &quant_linear);
+  m.def("quant_rows", &quant_rows);
 }

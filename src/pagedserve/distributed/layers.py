@@ -5,7 +5,6 @@ model code only picks its layers through them."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models.linear import Embedding, Linear
@@ -40,7 +39,7 @@ class VocabParallelEmbedding(Embedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.num_embeddings)
-        x = F.embedding(local.masked_fill(outside, 0), self.weight)
+        x = self.lookup(local.masked_fill(outside, 0))
         return self.tp.all_reduce(x.masked_fill(outside.unsqueeze(-1), 0))
 
 

@@ -51,7 +51,7 @@ class RankSpec:
     dtype: torch.dtype
     device_type: str
     max_positions: int
-    keep_q4: bool = False
+    keep_quant: bool = False
 
 
 @dataclass
@@ -133,7 +133,7 @@ def load_rank(spec: RankSpec, group: TPGroup) -> Rank:
     device, dtype = group.device, spec.dtype
     backend = get_backend(config.attention_backend, device)
     model = load_model(
-        spec.source, cfg, backend, dtype, device, spec.max_positions, spec.keep_q4, tp=group
+        spec.source, cfg, backend, dtype, device, spec.max_positions, spec.keep_quant, tp=group
     )
     from pagedserve.engine import kv_budget_bytes  # the engine imports this module lazily
 

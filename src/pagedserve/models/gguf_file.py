@@ -48,43 +48,61 @@ _TOP_NAMES = {
 }
 
 
-# Types whose blocks are 32 four-bit codes with a scale (and an offset): value = code * d + m.
-Q4_TYPES = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
-Q4_GROUP = 32
+# Types whose blocks are 32 codes with a scale (and an offset): value = code * d + m. Their
+# matrices can stay packed (models/quant_weight.py); the value is the code width in bits.
+QUANT_TYPES = {
+    GGMLQuantizationType.Q4_0: 4,
+    GGMLQuantizationType.Q4_1: 4,
+    GGMLQuantizationType.Q8_0: 8,
+}
+QUANT_GROUP = 32
 
 
 @dataclass
-class Q4Weight:
-    """A 4-bit GGUF matrix kept as codes: weight[n, k] = codes[n, k] * scale[n, g] + offset[n, g]
-    with g = k // 32. `dense` is the same matrix dequantized, for steps that prefer it."""
+class QuantWeight:
+    """A block-quantized GGUF matrix kept as codes: weight[n, k] = codes[n, k] * scale[n, g]
+    (+ offset[n, g]) with g = k // 32. `dense` is the same matrix dequantized."""
 
-    codes: torch.Tensor  # [N, K] uint8 in 0..15
-    scale: torch.Tensor  # [N, K / 32] float32
-    offset: torch.Tensor  # [N, K / 32] float32
+    codes: torch.Tensor  # [N, K]: uint8 in 0..15 (4 bits) or int8 (8 bits)
+    scale: torch.Tensor  # [N, K / 32] float32 (float16 values)
+    offset: torch.Tensor | None  # [N, K / 32] float32, None for Q8_0
     dense: torch.Tensor  # [N, K] float32
+    bits: int
 
-    def permute_rows(self, n_heads: int) -> Q4Weight:
-        return Q4Weight(*(torch.from_numpy(_unpermute(t.numpy(), n_heads)) for t in self.astuple()))
+    def permute_rows(self, n_heads: int) -> QuantWeight:
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else torch.from_numpy(_unpermute(t.numpy(), n_heads))
+
+        return QuantWeight(
+            rows(self.codes), rows(self.scale), rows(self.offset), rows(self.dense), self.bits
+        )
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
-        return self.codes, self.scale, self.offset, self.dense
+        return tuple(t for t in (self.codes, self.scale, self.offset, self.dense) if t is not None)
 
 
-def _q4_codes(data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]) -> Q4Weight:
-    """Unpack Q4_0 (d, 16 bytes) or Q4_1 (d, m, 16 bytes) blocks of 32 values each."""
-    header = 2 if qtype == GGMLQuantizationType.Q4_0 else 4
-    blocks = np.asarray(data).reshape(-1, header + 16)
+def _quant_codes(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> QuantWeight:
+    """Unpack Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes) or Q8_0 (d, 32 bytes) blocks of 32."""
+    header = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
+    blocks = np.asarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
     d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    m = -8 * d if header == 2 else blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
     qs = blocks[:, header:]
-    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first, then high
-    rows, groups = shape[0], shape[1] // Q4_GROUP
-    dense = (codes * d + m).reshape(shape)
-    return Q4Weight(
-        torch.from_numpy(codes.reshape(shape)),
+    if qtype == GGMLQuantizationType.Q8_0:
+        codes, m = qs.view(np.int8), None
+    else:
+        m = -8 * d if qtype == GGMLQuantizationType.Q4_0 else blocks[:, 2:4].copy().view(np.float16)
+        m = m.astype(np.float32)
+        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first, then high
+    rows, groups = shape[0], shape[1] // QUANT_GROUP
+    dense = codes * d if m is None else codes * d + m
+    return QuantWeight(
+        torch.from_numpy(codes.reshape(shape).copy()),
         torch.from_numpy(d.reshape(rows, groups)),
-        torch.from_numpy(m.reshape(rows, groups)),
-        torch.from_numpy(dense),
+        None if m is None else torch.from_numpy(m.reshape(rows, groups)),
+        torch.from_numpy(dense.reshape(shape).astype(np.float32)),
+        QUANT_TYPES[qtype],
     )
 
 
@@ -177,10 +195,11 @@ def _read_shard(
 def iter_weights(
     path: str,
     cfg: ModelConfig,
-    keep_q4: bool = False,
+    keep_quant: bool = False,
     shard_of: Callable[[str], Shard | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | Q4Weight]]:
-    """HF-named weights; with keep_q4, Q4_0/Q4_1 matrices come as Q4Weight (codes + dense).
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+    """HF-named weights; with keep_quant, Q4_0/Q4_1/Q8_0 matrices come as QuantWeight (codes
+    + dense).
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
     reader = GGUFReader(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
@@ -199,14 +218,8 @@ def iter_weights(
         heads = None
         if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = rows // cfg.head_dim
-        if (
-            keep_q4
-            and cut is None
-            and qtype in Q4_TYPES
-            and len(shape) == 2
-            and name != "model.embed_tokens.weight"
-        ):
-            weight = _q4_codes(data, qtype, shape)
+        if keep_quant and cut is None and qtype in QUANT_TYPES and len(shape) == 2:
+            weight = _quant_codes(data, qtype, shape)
             yield name, weight if heads is None else weight.permute_rows(heads)
             continue
         array = np.array(dequantize(data, qtype), dtype=np.float32).reshape(shape)

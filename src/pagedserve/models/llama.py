@@ -17,9 +17,10 @@ from pagedserve.distributed import layers as tp_layers
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import layer_ops
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
-from pagedserve.models.gguf_file import Q4Weight
+from pagedserve.models.gguf_file import QuantWeight
 from pagedserve.models.layer_ops import RopeStep
-from pagedserve.models.linear import Linear
+from pagedserve.models.linear import Embedding, Linear
+from pagedserve.models.quant_weight import PackedWeight, packable
 
 
 class RMSNorm(nn.Module):
@@ -191,15 +192,15 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | Q4Weight]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into one matrix each.
-        4-bit weights (Q4Weight) load their dense copy and are packed for small steps too."""
+        Block-quantized weights (QuantWeight) are packed for the CPU kernels, and their
+        layers drop the dense copy; a tied output matrix shares the embedding's."""
         params = dict(self.named_parameters(remove_duplicate=False))
-        modules = dict(self.named_modules())
         loaded: set[str] = set()
-        q4_parts: dict[str, dict[int, Q4Weight]] = {}
+        quant_parts: dict[str, dict[int, QuantWeight]] = {}
         for hf_name, weight in weights:
-            tensor = weight.dense if isinstance(weight, Q4Weight) else weight
+            tensor = weight.dense if isinstance(weight, QuantWeight) else weight
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -207,9 +208,9 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
-            if isinstance(weight, Q4Weight):
+            if isinstance(weight, QuantWeight):
                 module = ".".join(parts[:-2] + [fused[0]] if fused else parts[:-1])
-                q4_parts.setdefault(module, {})[fused[1] if fused else 0] = weight
+                quant_parts.setdefault(module, {})[fused[1] if fused else 0] = weight
             if fused is not None:
                 target = ".".join(parts[:-2] + [fused[0], parts[-1]])
                 param = params[target]
@@ -229,11 +230,21 @@ class LlamaForCausalLM(nn.Module):
         missing = [n for n in self.expected_weights() if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
-        for name, shards in q4_parts.items():
-            layer = modules[name]
-            n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rsplit(".", 1)[-1], 1)
-            if isinstance(layer, Linear) and len(shards) == n_shards:  # else: mixed types
-                layer.pack_int4([shards[i] for i in range(n_shards)])
+        for name, shards in quant_parts.items():
+            self._use_packed(name, shards)
+
+    def _use_packed(self, name: str, shards: dict[int, QuantWeight]) -> None:
+        layer = self.get_submodule(name)
+        n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rsplit(".", 1)[-1], 1)
+        parts = [shards[i] for i in sorted(shards)]
+        if len(parts) != n_shards or not isinstance(layer, Linear | Embedding):
+            return  # a fused weight whose parts are not all quantized stays dense
+        if not packable(parts):
+            return  # mixed types, or a shape the kernels do not take
+        packed = PackedWeight.pack(parts)
+        layer.use_packed(packed)
+        if isinstance(layer, Embedding) and self.cfg.tie_word_embeddings:
+            self.lm_head.use_packed(packed)
 
     def _shard_range(self, fused: str, index: int) -> tuple[int, int]:
         c = self.cfg

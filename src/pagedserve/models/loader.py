@@ -123,11 +123,11 @@ def _safetensors_weights(
 def iter_weights(
     source: ModelSource,
     cfg: ModelConfig,
-    keep_q4: bool = False,
+    keep_quant: bool = False,
     shard_of: ShardOf | None = None,
-) -> Iterator[tuple[str, torch.Tensor | gguf_file.Q4Weight]]:
+) -> Iterator[tuple[str, torch.Tensor | gguf_file.QuantWeight]]:
     if source.kind == "gguf":
-        return gguf_file.iter_weights(source.path, cfg, keep_q4, shard_of)
+        return gguf_file.iter_weights(source.path, cfg, keep_quant, shard_of)
     return _safetensors_weights(source.path, shard_of)
 
 
@@ -179,7 +179,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    keep_q4: bool = False,
+    keep_quant: bool = False,
     tp: TPGroup | None = None,
 ) -> nn.Module:
     """The whole model; with `tp`, this rank's shard of it, reading only its slices."""
@@ -197,7 +197,7 @@ def load_model(
     desc = f"Loading {source.name} ({source.kind}) as {str(dtype).removeprefix('torch.')}"
     shard_of = plan.checkpoint_shard if plan is not None else None
     weights = tqdm(
-        iter_weights(source, cfg, keep_q4, shard_of),
+        iter_weights(source, cfg, keep_quant, shard_of),
         total=total,
         desc=desc,
         unit="tensor",
@@ -213,7 +213,7 @@ def load_model(
         ):
             tied = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
             for module in model.modules():
-                if isinstance(module, Linear):
+                if isinstance(module, Linear) and module.packed is None:
                     module.use_blocked_layout(keep_weight=id(module.weight) in tied)
     logger.info("loaded %s from %s", source.name, source.path)
     return model.eval()

@@ -1,0 +1,16 @@
+// Products with GGUF block-quantized weights (quant_linear.cpp).
+#pragma once
+
+#include <torch/extension.h>
+
+// Whether this CPU and kernel let us use AMX tiles (requests them from Linux once).
+bool amx_available();
+
+// y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias), W packed as described in quant_linear.cpp.
+at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                        const c10::optional<at::Tensor>& offsets,
+                        const c10::optional<at::Tensor>& bias, int64_t bits);
+
+// Rows `ids` of W, dequantized to bf16 [M, K] (an embedding lookup on tied weights).
+at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
+                      const c10::optional<at::Tensor>& offsets, int64_t bits);
