@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -261,51 +262,63 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
   const int64_t padded_m = (m + kTileRows - 1) / kTileRows * kTileRows;
   const int64_t strips = n / (2 * kTileCols);
   const int64_t lda = k * 2;  // bytes per activation row
+  // A thread decodes a run of strips that fits in L2 (~256 KB of bf16 tiles), then streams
+  // the activations past them once: for long steps (prefill) the activations, not the weights,
+  // are the big operand, and reading them once per strip ran at a third of the AMX rate.
+  const int64_t strip_bytes = groups * 2 * 512 * sizeof(uint16_t);
+  const int64_t run_len = std::max<int64_t>(1, (256 << 10) / strip_bytes);
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());
-    std::vector<uint16_t> w(groups * 2 * 512);  // the strip's weights as B tiles
+    std::vector<uint16_t> w(std::min(run_len, end - begin) * groups * 2 * 512);
     alignas(64) float acc[4][256];
-    for (int64_t strip = begin; strip < end; ++strip) {
-      for (int t = 0; t < 2; ++t) {
-        const int64_t nt = strip * 2 + t;
-        for (int64_t g = 0; g < groups; ++g) {
-          const int64_t tile = nt * groups + g;
-          decode_tile<Bits>(codes + tile * tile_bytes, scales + tile * 16,
-                            offsets != nullptr ? offsets + tile * 16 : nullptr,
-                            w.data() + (g * 2 + t) * 512);
-        }
-      }
-      const int64_t n0 = strip * 2 * kTileCols;
-      for (int64_t m0 = 0; m0 < padded_m; m0 += 2 * kTileRows) {
-        const bool two = m0 + kTileRows < padded_m;
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-        const char* a0 = reinterpret_cast<const char*>(x + m0 * k);
-        for (int64_t g = 0; g < groups; ++g) {
-          _tile_loadd(6, w.data() + g * 1024, 64);
-          _tile_loadd(7, w.data() + g * 1024 + 512, 64);
-          _tile_loadd(4, a0 + g * 64, lda);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          if (two) {
-            _tile_loadd(5, a0 + kTileRows * lda + g * 64, lda);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+    for (int64_t run = begin; run < end; run += run_len) {
+      const int64_t run_end = std::min(end, run + run_len);
+      for (int64_t strip = run; strip < run_end; ++strip) {
+        uint16_t* ws = w.data() + (strip - run) * groups * 1024;
+        for (int t = 0; t < 2; ++t) {
+          const int64_t nt = strip * 2 + t;
+          for (int64_t g = 0; g < groups; ++g) {
+            const int64_t tile = nt * groups + g;
+            decode_tile<Bits>(codes + tile * tile_bytes, scales + tile * 16,
+                              offsets != nullptr ? offsets + tile * 16 : nullptr,
+                              ws + (g * 2 + t) * 512);
           }
         }
-        _tile_stored(0, acc[0], 64);
-        _tile_stored(1, acc[1], 64);
-        const int64_t rows0 = std::min<int64_t>(kTileRows, m - m0);
-        store_tile(acc[0], y, n, m0, rows0, n0, bias);
-        store_tile(acc[1], y, n, m0, rows0, n0 + kTileCols, bias);
-        if (two && m0 + kTileRows < m) {
-          _tile_stored(2, acc[2], 64);
-          _tile_stored(3, acc[3], 64);
-          const int64_t rows1 = std::min<int64_t>(kTileRows, m - m0 - kTileRows);
-          store_tile(acc[2], y, n, m0 + kTileRows, rows1, n0, bias);
-          store_tile(acc[3], y, n, m0 + kTileRows, rows1, n0 + kTileCols, bias);
+      }
+      for (int64_t m0 = 0; m0 < padded_m; m0 += 2 * kTileRows) {
+        const bool two = m0 + kTileRows < padded_m;
+        const char* a0 = reinterpret_cast<const char*>(x + m0 * k);
+        for (int64_t strip = run; strip < run_end; ++strip) {
+          const uint16_t* ws = w.data() + (strip - run) * groups * 1024;
+          _tile_zero(0);
+          _tile_zero(1);
+          _tile_zero(2);
+          _tile_zero(3);
+          for (int64_t g = 0; g < groups; ++g) {
+            _tile_loadd(6, ws + g * 1024, 64);
+            _tile_loadd(7, ws + g * 1024 + 512, 64);
+            _tile_loadd(4, a0 + g * 64, lda);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) {
+              _tile_loadd(5, a0 + kTileRows * lda + g * 64, lda);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          const int64_t n0 = strip * 2 * kTileCols;
+          _tile_stored(0, acc[0], 64);
+          _tile_stored(1, acc[1], 64);
+          const int64_t rows0 = std::min<int64_t>(kTileRows, m - m0);
+          store_tile(acc[0], y, n, m0, rows0, n0, bias);
+          store_tile(acc[1], y, n, m0, rows0, n0 + kTileCols, bias);
+          if (two && m0 + kTileRows < m) {
+            _tile_stored(2, acc[2], 64);
+            _tile_stored(3, acc[3], 64);
+            const int64_t rows1 = std::min<int64_t>(kTileRows, m - m0 - kTileRows);
+            store_tile(acc[2], y, n, m0 + kTileRows, rows1, n0, bias);
+            store_tile(acc[3], y, n, m0 + kTileRows, rows1, n0 + kTileCols, bias);
+          }
         }
       }
     }
