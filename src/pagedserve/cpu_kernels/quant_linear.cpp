@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <algorithm>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -269,12 +270,13 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
   const int64_t run_len = std::max<int64_t>(1, (256 << 10) / strip_bytes);
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());
-    std::vector<uint16_t> w(std::min(run_len, end - begin) * groups * 2 * 512);
+    // Not value-initialised: zeroing up to 256 KB per call cost more than the products.
+    std::unique_ptr<uint16_t[]> w(new uint16_t[std::min(run_len, end - begin) * groups * 1024]);
     alignas(64) float acc[4][256];
     for (int64_t run = begin; run < end; run += run_len) {
       const int64_t run_end = std::min(end, run + run_len);
       for (int64_t strip = run; strip < run_end; ++strip) {
-        uint16_t* ws = w.data() + (strip - run) * groups * 1024;
+        uint16_t* ws = w.get() + (strip - run) * groups * 1024;
         for (int t = 0; t < 2; ++t) {
           const int64_t nt = strip * 2 + t;
           for (int64_t g = 0; g < groups; ++g) {
@@ -289,7 +291,7 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
         const bool two = m0 + kTileRows < padded_m;
         const char* a0 = reinterpret_cast<const char*>(x + m0 * k);
         for (int64_t strip = run; strip < run_end; ++strip) {
-          const uint16_t* ws = w.data() + (strip - run) * groups * 1024;
+          const uint16_t* ws = w.get() + (strip - run) * groups * 1024;
           _tile_zero(0);
           _tile_zero(1);
           _tile_zero(2);
