@@ -94,3 +94,22 @@ def test_quantized_codes_reproduce_the_dequantized_weights(default_gguf):
             torch.testing.assert_close(got, x.float() @ dense.t(), atol=0.05, rtol=0.02)
             seen += 1
     assert seen == (4 if packed_kernels_available() else 0)
+
+
+def test_decode_layers_in_one_call_match_the_module_path(monkeypatch):
+    """Decode steps of the default model (packed weights) run each layer as one C++ call; the
+    tokens are those of the module-by-module path, step for step."""
+    from conftest import PROMPTS
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.models.llama import LlamaForCausalLM
+    from pagedserve.models.quant_weight import packed_kernels_available
+
+    if not packed_kernels_available():
+        pytest.skip("packed weights need AMX (amx_bf16)")
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(kv_cache_memory="64MiB")
+    fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)]
+    assert llm.engine.model._fused_decode_layers is not None  # the path ran
+    monkeypatch.setattr(LlamaForCausalLM, "_fused_decode_layers", None)
+    llm = LLM(kv_cache_memory="64MiB")
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)] == fused

@@ -6,6 +6,7 @@ that knows about sequences, through the backend and its per-step metadata.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable
 
@@ -13,6 +14,8 @@ import torch
 from torch import nn
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.attention.torch_backend import TorchAttentionBackend
+from pagedserve.cpu_kernels import ops
 from pagedserve.distributed import layers as tp_layers
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import layer_ops
@@ -176,9 +179,39 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.step(positions)
-        for layer, kv in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(x, residual, rope, kv, meta)
+        fused = self._fused_decode_layers if meta.num_decode_tokens == x.shape[0] else None
+        if fused:
+            for args, (k_cache, v_cache) in zip(fused, kv_caches, strict=True):
+                x, residual = ops().decode_layer(
+                    x, residual, *args, positions, rope.cos, rope.sin, k_cache, v_cache,
+                    meta.slot_mapping, meta.decode_block_tables, meta.decode_context_lens,
+                )  # fmt: skip
+        else:
+            for layer, kv in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(x, residual, rope, kv, meta)
         return self.norm(x, residual)[0]
+
+    @functools.cached_property
+    def _fused_decode_layers(self) -> list[tuple] | None:
+        """Per layer, the arguments of the C++ decode_layer (cpu_kernels/cpu_ops.cpp), which
+        runs a decode step's layer in one call; None unless every layer can: packed weights
+        on one process, the fused CPU attention backend. (Built at the first forward, after
+        loading.)"""
+        args = []
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not (
+                all(type(m) is Linear and m.packed is not None for m in linears)
+                and isinstance(attn.backend, TorchAttentionBackend)
+                and attn.backend.fused
+            ):
+                return None
+            norms = (layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+            packed = tuple(m.packed.kernel_args(m.bias) for m in linears)
+            heads = (attn.num_heads, attn.num_kv_heads, attn.scale)
+            args.append((*norms, layer.input_layernorm.eps, *packed, *heads))
+        return args
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -74,10 +74,14 @@ class PackedWeight:
         offsets = None if parts[0].offset is None else per_tile([p.offset for p in parts])
         return cls(packed.contiguous(), per_tile([p.scale for p in parts]), offsets, bits)
 
+    def kernel_args(self, bias: torch.Tensor | None) -> tuple:
+        """This matrix (and a bias) as the C++ kernels take it."""
+        return self.codes, self.scales, self.offsets, bias, self.bits
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from pagedserve.cpu_kernels import ops
 
-        return ops().quant_linear(x, self.codes, self.scales, self.offsets, bias, self.bits)
+        return ops().quant_linear(x, *self.kernel_args(bias))
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of the matrix as bf16 (an embedding lookup)."""
