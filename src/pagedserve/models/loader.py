@@ -131,7 +131,8 @@ def iter_weights(
     return _safetensors_weights(source.path, shard_of)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+_M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
+_M_MMAP_THRESHOLD = -3
 _M_ARENA_MAX = -8
 
 
@@ -168,8 +169,12 @@ def _compact_heap():
         gc.collect()
         libc.malloc_trim(0)
         # Step-sized temporaries (up to tens of MB) then reuse heap memory instead of paying
-        # a fresh mmap and page faults at every step.
+        # a fresh mmap and page faults at every step. A fixed mmap threshold also fixes the
+        # trim threshold at 128 KB, which handed each step's freed activations back to the OS
+        # to fault them in again (prefill of 2000 tokens ~15% slower); up to 64 MB of free heap
+        # now stays.
         libc.mallopt(_M_MMAP_THRESHOLD, 32 * 1024 * 1024)
+        libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)
 
 
 def load_model(
