@@ -85,6 +85,8 @@ CASES = [
     (3, 64, torch.bfloat16, 16),
     (8, 128, torch.float32, 4),
     (3, 128, torch.bfloat16, 32),
+    (8, 128, torch.bfloat16, 16),  # with AMX: the tile path for 16-token bf16 pages
+    (2, 64, torch.bfloat16, 16),
 ]
 
 

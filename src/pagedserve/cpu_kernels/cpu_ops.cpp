@@ -7,6 +7,7 @@
 // fast-math allows that, so no code here relies on infinities or NaN.
 #include <torch/extension.h>
 
+#include "amx.h"
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <tuple>
 #include <vector>
 
@@ -280,6 +282,142 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
   for (int64_t j = 0; j < g * d; ++j) out[j] = from_f<T>(acc[j]);
 }
 
+#ifdef PAGEDSERVE_AMX
+// decode_unit for bfloat16 16-token pages with AMX, head size D (64 or 128), G query heads per
+// KV head. Scores: S^T = K Q^T on AMX, a page of keys per tile loaded straight from the cache
+// (rows past n of a last page are computed, not kept), the query tiles held in registers. The
+// weighted sum of values: vdpbf16ps over token pairs (two value rows interleaved by unpack, so
+// lanes hold dims in a fixed permutation undone at the end; probabilities rounded to bfloat16
+// as in flash attention), sums in registers. Without them the unit was ~110 instructions a
+// token, mostly per-token horizontal sums and accumulators spilled to memory.
+template <int64_t D, int64_t G>
+void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
+                     at::BFloat16* out, const int64_t* pages, int64_t n, int64_t hk, int64_t h,
+                     float scale, std::vector<float>& scores) {
+  constexpr int64_t kSteps = D / 32, kVecs = D / 32;  // 32 bf16 per zmm
+  const int64_t stride = hk * D;  // elements from one token to the next in a page
+  scores.resize(G * n);
+  // Scores.
+  alignas(64) uint16_t qt[kSteps][16][32] = {};  // pair layout: row r, lane 2j+p = q[j][2r+p]
+  for (int64_t s = 0; s < kSteps; ++s) {
+    for (int64_t r = 0; r < 16; ++r) {
+      for (int64_t j = 0; j < G; ++j) {
+        std::memcpy(&qt[s][r][2 * j], q + j * D + s * 32 + 2 * r, 2 * sizeof(uint16_t));
+      }
+    }
+  }
+  alignas(64) float c[16][16];
+  _tile_loadconfig(&tile_config());
+  _tile_loadd(2, qt[0], 64);
+  _tile_loadd(3, qt[1], 64);
+  if constexpr (kSteps == 4) {
+    _tile_loadd(4, qt[2], 64);
+    _tile_loadd(5, qt[3], 64);
+  }
+  // Pages sit anywhere in the pool, beyond the hardware prefetcher's reach: fetch the next
+  // page's rows of this head while the current one is multiplied.
+  const auto prefetch_page = [&](const at::BFloat16* cache, int64_t first) {
+    if (first >= n) return;
+    const char* row = reinterpret_cast<const char*>(cache + (pages[first / 16] * 16 * hk + h) * D);
+    for (int64_t r = 0; r < 16; ++r, row += stride * 2) {
+      for (int64_t line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
+    }
+  };
+  for (int64_t first = 0; first < n; first += 16) {
+    const at::BFloat16* k = kc + (pages[first / 16] * 16 * hk + h) * D;
+    prefetch_page(kc, first + 16);
+    _tile_zero(0);
+    _tile_loadd(1, k, stride * 2);
+    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(1, k + 32, stride * 2);
+    _tile_dpbf16ps(0, 1, 3);
+    if constexpr (kSteps == 4) {
+      _tile_loadd(1, k + 64, stride * 2);
+      _tile_dpbf16ps(0, 1, 4);
+      _tile_loadd(1, k + 96, stride * 2);
+      _tile_dpbf16ps(0, 1, 5);
+    }
+    _tile_stored(0, c, 64);
+    const int64_t count = std::min<int64_t>(16, n - first);
+    for (int64_t j = 0; j < G; ++j) {
+      for (int64_t t = 0; t < count; ++t) scores[j * n + first + t] = c[t][j] * scale;
+    }
+  }
+  _tile_release();
+  // Probabilities as bfloat16 pairs (t, t+1), a zero after an odd last token.
+  const int64_t pairs = (n + 1) / 2;
+  std::vector<uint32_t> p(G * pairs);
+  for (int64_t j = 0; j < G; ++j) {
+    float* sj = scores.data() + j * n;
+    softmax_(sj, n);
+    for (int64_t t = 0; t < n; t += 2) {
+      const uint32_t lo = from_f<at::BFloat16>(sj[t]).x;
+      const uint32_t hi = t + 1 < n ? from_f<at::BFloat16>(sj[t + 1]).x : 0u;
+      p[j * pairs + t / 2] = lo | (hi << 16);
+    }
+  }
+  // Values.
+  __m512 acc[G][2 * kVecs];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t i = 0; i < 2 * kVecs; ++i) acc[j][i] = _mm512_setzero_ps();
+  }
+  prefetch_page(vc, 0);
+  for (int64_t t = 0; t < n; t += 2) {
+    if (t % 16 == 0) prefetch_page(vc, t + 16);
+    const at::BFloat16* a = vc + (pages[t / 16] * 16 * hk + h) * D + (t % 16) * stride;
+    const at::BFloat16* b = t + 1 < n ? a + stride : a;  // an odd last token pairs with p = 0
+    __m512i lo[kVecs], hi[kVecs];
+    for (int64_t i = 0; i < kVecs; ++i) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * i), vb = _mm512_loadu_si512(b + 32 * i);
+      lo[i] = _mm512_unpacklo_epi16(va, vb);
+      hi[i] = _mm512_unpackhi_epi16(va, vb);
+    }
+    for (int64_t j = 0; j < G; ++j) {
+      const auto pj = (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(p[j * pairs + t / 2]));
+      for (int64_t i = 0; i < kVecs; ++i) {
+        acc[j][2 * i] = _mm512_dpbf16_ps(acc[j][2 * i], (__m512bh)lo[i], pj);
+        acc[j][2 * i + 1] = _mm512_dpbf16_ps(acc[j][2 * i + 1], (__m512bh)hi[i], pj);
+      }
+    }
+  }
+  // Lane 4L + e of the unpack-low sum of 32 dims holds dim 8L + e; unpack-high 8L + 4 + e.
+  alignas(64) float sums[2 * kVecs][16];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t i = 0; i < 2 * kVecs; ++i) _mm512_store_ps(sums[i], acc[j][i]);
+    for (int64_t i = 0; i < kVecs; ++i) {
+      for (int64_t lane = 0; lane < 16; ++lane) {
+        const int64_t dim = 32 * i + 8 * (lane / 4) + lane % 4;
+        out[j * D + dim] = from_f<at::BFloat16>(sums[2 * i][lane]);
+        out[j * D + dim + 4] = from_f<at::BFloat16>(sums[2 * i + 1][lane]);
+      }
+    }
+  }
+}
+
+using AmxUnitFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
+                           at::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, float,
+                           std::vector<float>&);
+
+template <int64_t D>
+AmxUnitFn amx_unit_for(int64_t g) {
+  switch (g) {
+    case 1: return decode_unit_amx<D, 1>;
+    case 2: return decode_unit_amx<D, 2>;
+    case 3: return decode_unit_amx<D, 3>;
+    case 4: return decode_unit_amx<D, 4>;
+    case 6: return decode_unit_amx<D, 6>;
+    case 8: return decode_unit_amx<D, 8>;
+    default: return nullptr;
+  }
+}
+
+// The AMX unit for this shape, or nullptr where decode_unit serves.
+AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
+  if (dtype != at::kBFloat16 || page != 16 || !amx_available()) return nullptr;
+  return d == 64 ? amx_unit_for<64>(g) : d == 128 ? amx_unit_for<128>(g) : nullptr;
+}
+#endif
+
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
 // q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
@@ -306,10 +444,22 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     const auto unit_fn = d == 64    ? decode_unit<scalar_t, 64>
                          : d == 128 ? decode_unit<scalar_t, 128>
                                     : decode_unit<scalar_t, 0>;
+#ifdef PAGEDSERVE_AMX
+    const AmxUnitFn amx_fn = amx_unit(q.scalar_type(), page, d, g);
+#endif
     at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> qf, acc, scores;
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t seq = unit / hk, h = unit % hk;
+#ifdef PAGEDSERVE_AMX
+        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if (amx_fn != nullptr) {
+            amx_fn(qp + seq * qs + h * g * d, kc, vc, op + (seq * hq + h * g) * d,
+                   tables + seq * width, lens[seq], hk, h, static_cast<float>(scale), scores);
+            continue;
+          }
+        }
+#endif
         unit_fn(qp + seq * qs + h * g * d, kc, vc, op + (seq * hq + h * g) * d,
                 tables + seq * width, lens[seq], page, hk, h, g, d, static_cast<float>(scale), qf,
                 acc, scores);

@@ -26,9 +26,9 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDSERVE_AMX 1
-#include <immintrin.h>
+#include "amx.h"
+
+#ifdef PAGEDSERVE_AMX
 #include <sys/syscall.h>
 #include <unistd.h>
 #endif
@@ -42,28 +42,6 @@ constexpr int64_t kTileRows = 16;  // activation rows per A tile
 constexpr int64_t kGemvMaxRows = 4;
 
 #ifdef PAGEDSERVE_AMX
-
-struct TileConfig {
-  uint8_t palette_id = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// tmm0-3: float32 accumulators (2 row blocks x 2 column tiles); tmm4-5: activations;
-// tmm6-7: weights. Every tile is 16 rows of 64 bytes.
-const TileConfig& tile_config() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int i = 0; i < 8; ++i) {
-      c.colsb[i] = 64;
-      c.rows[i] = 16;
-    }
-    return c;
-  }();
-  return cfg;
-}
 
 // Codes stream through once per step; without prefetching, a thread waits on memory for a
 // third of the time (decode step at batch 1, reference CPU). 4 KB ahead is 8-16 groups.
@@ -269,7 +247,7 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
   const int64_t strip_bytes = groups * 2 * 512 * sizeof(uint16_t);
   const int64_t run_len = std::max<int64_t>(1, (256 << 10) / strip_bytes);
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    _tile_loadconfig(&tile_config());
+    _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
     // Not value-initialised: zeroing up to 256 KB per call cost more than the products.
     std::unique_ptr<uint16_t[]> w(new uint16_t[std::min(run_len, end - begin) * groups * 1024]);
     alignas(64) float acc[4][256];

@@ -3,9 +3,6 @@
 
 #include <torch/extension.h>
 
-// Whether this CPU and kernel let us use AMX tiles (requests them from Linux once).
-bool amx_available();
-
 // y [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias), W packed as described in quant_linear.cpp.
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
