@@ -515,14 +515,17 @@ std::tuple<torch::Tensor, torch::Tensor> decode_layer(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm);
-  m.def("add_rms_norm_", &add_rms_norm_);
-  m.def("rotary_", &rotary_);
-  m.def("silu_and_mul", &silu_and_mul);
-  m.def("write_kv_", &write_kv_);
-  m.def("paged_decode_attention", &paged_decode_attention);
-  m.def("decode_layer", &decode_layer);
-  m.def("amx_available", &amx_available);
-  m.def("quant_linear", &quant_linear);
-  m.def("quant_rows", &quant_rows);
+  // Without the GIL: the server's event loop thread (streaming the previous step's tokens)
+  // runs while a step computes, instead of waiting for the whole forward.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("rms_norm", &rms_norm, nogil);
+  m.def("add_rms_norm_", &add_rms_norm_, nogil);
+  m.def("rotary_", &rotary_, nogil);
+  m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("write_kv_", &write_kv_, nogil);
+  m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("decode_layer", &decode_layer, nogil);
+  m.def("amx_available", &amx_available, nogil);
+  m.def("quant_linear", &quant_linear, nogil);
+  m.def("quant_rows", &quant_rows, nogil);
 }
