@@ -14,8 +14,8 @@
 // the weight at column nt*16 + L/2, input g*32 + 2r + L%2 (the pair layout of a bfloat16 B
 // tile). Eight-bit codes are stored lane by lane (32 bytes a row). Four-bit codes come in
 // groups of four rows: 16-bit word j of group q holds lane j of rows 4q..4q+3 in its four
-// nibbles, lowest first. Scales and offsets are float16 [tiles, groups, 16]; weight = code * scale +
-// offset.
+// nibbles, lowest first. Scales and offsets are float16 [tiles, groups, 16];
+// weight = code * scale + offset.
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -52,10 +52,15 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
   }
 }
 
-// Scale (or offset) of a tile's 16 columns, each repeated for the two lanes of its pair:
-// lanes 0-15 cover columns 0-7 (lo), lanes 16-31 columns 8-15 (hi).
+// A tile's 16 float16 scales (or offsets) as float32, one lane a column.
+inline __m512 load_columns(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// The same, each repeated for the two lanes of its pair: lanes 0-15 cover columns 0-7 (lo),
+// lanes 16-31 columns 8-15 (hi).
 inline void pair_lanes(const at::Half* p, __m512& lo, __m512& hi) {
-  const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  const __m512 v = load_columns(p);
   const __m512i lo_idx = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
   lo = _mm512_permutexvar_ps(lo_idx, v);
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(lo_idx, _mm512_set1_epi32(8)), v);
@@ -131,10 +136,8 @@ inline void gemv_q4_tile(const at::BFloat16* x, int64_t k, const float* xsum, co
         }
       }
     }
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + g * 16)));
-    const __m512 m = offset != nullptr ? _mm512_cvtph_ps(_mm256_loadu_si256(
-                                             reinterpret_cast<const __m256i*>(offset + g * 16)))
-                                       : _mm512_setzero_ps();
+    const __m512 d = load_columns(scale + g * 16);
+    const __m512 m = offset != nullptr ? load_columns(offset + g * 16) : _mm512_setzero_ps();
     const __m512 m_shift = _mm512_fnmadd_ps(_mm512_set1_ps(128.f), d, m);  // m - 128 d
     for (int i = 0; i < R; ++i) {
       out[i] = _mm512_fmadd_ps(acc[i], d, out[i]);
@@ -292,7 +295,7 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
           const int64_t rows0 = std::min<int64_t>(kTileRows, m - m0);
           store_tile(acc[0], y, n, m0, rows0, n0, bias);
           store_tile(acc[1], y, n, m0, rows0, n0 + kTileCols, bias);
-          if (two && m0 + kTileRows < m) {
+          if (two) {  // then m0 + 16 < m: padded_m is m rounded up to 16
             _tile_stored(2, acc[2], 64);
             _tile_stored(3, acc[3], 64);
             const int64_t rows1 = std::min<int64_t>(kTileRows, m - m0 - kTileRows);
