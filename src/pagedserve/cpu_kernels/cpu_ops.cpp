@@ -13,10 +13,12 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -49,8 +51,8 @@ inline at::BFloat16 from_f<at::BFloat16>(float v) {
 // Rows of at least this many elements of work are split across threads.
 constexpr int64_t kGrain = 16;
 
-// In place: s = softmax(s).
-inline void softmax_(float* s, int64_t n) {
+// In place: s = exp(s - max(s)); returns the sum (softmax's denominator).
+inline float exp_sum_(float* s, int64_t n) {
   float mx = std::numeric_limits<float>::lowest();
 #pragma omp simd reduction(max : mx)
   for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
@@ -60,7 +62,12 @@ inline void softmax_(float* s, int64_t n) {
     s[t] = std::exp(s[t] - mx);
     sum += s[t];
   }
-  const float inv = 1.f / sum;
+  return sum;
+}
+
+// In place: s = softmax(s).
+inline void softmax_(float* s, int64_t n) {
+  const float inv = 1.f / exp_sum_(s, n);
 #pragma omp simd
   for (int64_t t = 0; t < n; ++t) s[t] *= inv;
 }
@@ -288,8 +295,8 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
 // (rows past n of a last page are computed, not kept), the query tiles held in registers. The
 // weighted sum of values: vdpbf16ps over token pairs (two value rows interleaved by unpack, so
 // lanes hold dims in a fixed permutation undone at the end; probabilities rounded to bfloat16
-// as in flash attention), sums in registers. The unit reads its K/V rows from memory, which
-// bounds it: against decode_unit, 7-10% faster at batch 32 and ~30% at batch 1, context 880.
+// as in flash attention), sums in registers. Against decode_unit, 7-10% faster at batch 32
+// and ~30% at batch 1, context 880. The caller loads the tile configuration.
 template <int64_t D, int64_t G>
 void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BFloat16* vc,
                      at::BFloat16* out, const int64_t* pages, int64_t n, int64_t hk, int64_t h,
@@ -300,7 +307,8 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
   const auto page_rows = [&](const at::BFloat16* cache, int64_t first) {
     return cache + (pages[first / 16] * 16 * hk + h) * D;
   };
-  scores.resize(G * n);
+  const int64_t padded_n = (n + 31) / 32 * 32;  // the pair packing below reads whole vectors
+  scores.resize(G * padded_n);
   // Scores.
   alignas(64) uint16_t qt[kSteps][16][32] = {};  // pair layout: row r, lane 2j+p = q[j][2r+p]
   for (int64_t s = 0; s < kSteps; ++s) {
@@ -311,7 +319,6 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
     }
   }
   alignas(64) float c[16][16];
-  _tile_loadconfig(&tile_config());
   _tile_loadd(2, qt[0], 64);
   _tile_loadd(3, qt[1], 64);
   if constexpr (kSteps == 4) {
@@ -344,21 +351,22 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
     _tile_stored(0, c, 64);
     const int64_t count = std::min<int64_t>(16, n - first);
     for (int64_t j = 0; j < G; ++j) {
-      for (int64_t t = 0; t < count; ++t) scores[j * n + first + t] = c[t][j] * scale;
+      for (int64_t t = 0; t < count; ++t) scores[j * padded_n + first + t] = c[t][j] * scale;
     }
   }
-  _tile_release();
-  // Probabilities as bfloat16 pairs (t, t+1), a zero after an odd last token.
-  const int64_t pairs = (n + 1) / 2;
+  // Probabilities as bfloat16 pairs (t, t+1), zeros after the last token: one conversion
+  // turns 32 probabilities into 16 pairs in order.
+  const int64_t pairs = padded_n / 2;  // per head
   thread_local std::vector<uint32_t> p;  // reused: one unit after another on this thread
   p.resize(G * pairs);
   for (int64_t j = 0; j < G; ++j) {
-    float* sj = scores.data() + j * n;
-    softmax_(sj, n);
-    for (int64_t t = 0; t < n; t += 2) {
-      const uint32_t lo = from_f<at::BFloat16>(sj[t]).x;
-      const uint32_t hi = t + 1 < n ? from_f<at::BFloat16>(sj[t + 1]).x : 0u;
-      p[j * pairs + t / 2] = lo | (hi << 16);
+    float* sj = scores.data() + j * padded_n;
+    const __m512 scale_by = _mm512_set1_ps(1.f / exp_sum_(sj, n));
+    for (int64_t t = n; t < padded_n; ++t) sj[t] = 0.f;
+    for (int64_t t = 0; t < padded_n; t += 32) {
+      const __m512 lo = _mm512_mul_ps(_mm512_loadu_ps(sj + t), scale_by);
+      const __m512 hi = _mm512_mul_ps(_mm512_loadu_ps(sj + t + 16), scale_by);
+      _mm512_storeu_si512(p.data() + j * pairs + t / 2, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
   }
   // Values.
@@ -452,23 +460,43 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 #ifdef PAGEDSERVE_AMX
     const AmxUnitFn amx_fn = amx_unit(q.scalar_type(), page, d, g);
 #endif
-    at::parallel_for(0, b * hk, 1, [&](int64_t begin, int64_t end) {
+    // Units (sequence, KV head) go longest context first to whichever thread is free: contexts
+    // differ a lot (20-900 tokens in the serving benchmark), and an even split of the units
+    // made one thread wait for the other ~10% of the kernel's time. A thread takes a whole
+    // sequence at a time when there are enough: its heads share the pages' cache lines.
+    const int64_t units = b * hk, threads = at::get_num_threads();
+    const int64_t claim = b >= 4 * threads ? hk : 1;
+    std::vector<int64_t> order(units);
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(),
+                     [&](int64_t x, int64_t y) { return lens[x / hk] > lens[y / hk]; });
+    std::atomic<int64_t> next{0};
+    at::parallel_for(0, std::min(units, threads), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, acc, scores;
-      for (int64_t unit = begin; unit < end; ++unit) {
-        const int64_t seq = unit / hk, h = unit % hk;
 #ifdef PAGEDSERVE_AMX
-        if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
-          if (amx_fn != nullptr) {
-            amx_fn(qp + seq * qs + h * g * d, kc, vc, op + (seq * hq + h * g) * d,
-                   tables + seq * width, lens[seq], hk, h, static_cast<float>(scale), scores);
-            continue;
-          }
-        }
+      if (amx_fn != nullptr) _tile_loadconfig(&tile_config());
 #endif
-        unit_fn(qp + seq * qs + h * g * d, kc, vc, op + (seq * hq + h * g) * d,
-                tables + seq * width, lens[seq], page, hk, h, g, d, static_cast<float>(scale), qf,
-                acc, scores);
+      for (int64_t first; (first = next.fetch_add(claim, std::memory_order_relaxed)) < units;) {
+        for (int64_t i = first; i < std::min(first + claim, units); ++i) {
+          const int64_t seq = order[i] / hk, h = order[i] % hk;
+          const scalar_t* qu = qp + seq * qs + h * g * d;
+          scalar_t* ou = op + (seq * hq + h * g) * d;
+#ifdef PAGEDSERVE_AMX
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (amx_fn != nullptr) {
+              amx_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], hk, h,
+                     static_cast<float>(scale), scores);
+              continue;
+            }
+          }
+#endif
+          unit_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h, g, d,
+                  static_cast<float>(scale), qf, acc, scores);
+        }
       }
+#ifdef PAGEDSERVE_AMX
+      if (amx_fn != nullptr) _tile_release();
+#endif
     });
   });
   return out;

@@ -235,8 +235,81 @@ void gemv_linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scal
   }
 }
 
+// The activations as A tiles read them, 16 whole rows at a time: blocks of x, and the last
+// partial block (if any) from a zero-padded copy.
+struct RowBlocks {
+  const at::BFloat16* x;
+  const at::BFloat16* tail;  // 16 rows: x's rows from `full` on, then zeros
+  int64_t full;              // rows of x in whole blocks
+  int64_t k;
+  const char* at(int64_t m0) const {
+    return reinterpret_cast<const char*>(m0 < full ? x + m0 * k : tail);
+  }
+};
+
+// Stores accumulator tiles 0-3 (rows [0, m) of at most 32, columns [n0, n0 + 32)) to y.
+inline void store_sums(at::BFloat16* y, int64_t m, int64_t n, int64_t n0, const float* bias) {
+  alignas(64) float acc[16 * 16];
+  const int64_t rows0 = std::min<int64_t>(kTileRows, m);
+  _tile_stored(0, acc, 64);
+  store_tile(acc, y, n, 0, rows0, n0, bias);
+  _tile_stored(1, acc, 64);
+  store_tile(acc, y, n, 0, rows0, n0 + kTileCols, bias);
+  if (m > kTileRows) {
+    _tile_stored(2, acc, 64);
+    store_tile(acc, y, n, kTileRows, m - kTileRows, n0, bias);
+    _tile_stored(3, acc, 64);
+    store_tile(acc, y, n, kTileRows, m - kTileRows, n0 + kTileCols, bias);
+  }
+}
+
+// amx_linear for steps of at most 32 rows (decode): each group's two weight tiles are used
+// by every row as soon as they are decoded, so they never leave L1 and the AMX unit multiplies
+// one group while the vector units decode the next.
 template <int Bits>
-void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* codes,
+void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
+                         const at::Half* scales, const at::Half* offsets, const float* bias,
+                         at::BFloat16* y, int64_t n) {
+  const int64_t groups = k / kGroup;
+  const int64_t tile_bytes = kTileRows * kGroup * Bits / 8;
+  const int64_t lda = k * 2;
+  const bool two = m > kTileRows;
+  const char* a0 = x.at(0);
+  const char* a1 = x.at(kTileRows);
+  at::parallel_for(0, n / (2 * kTileCols), 1, [&](int64_t begin, int64_t end) {
+    _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
+    alignas(64) uint16_t w[2][2][512];  // [buffer][column tile]: decode one while one multiplies
+    for (int64_t strip = begin; strip < end; ++strip) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t g = 0; g < groups; ++g) {
+        uint16_t(*wg)[512] = w[g & 1];
+        for (int t = 0; t < 2; ++t) {
+          const int64_t tile = (strip * 2 + t) * groups + g;
+          decode_tile<Bits>(codes + tile * tile_bytes, scales + tile * 16,
+                            offsets != nullptr ? offsets + tile * 16 : nullptr, wg[t]);
+        }
+        _tile_loadd(6, wg[0], 64);
+        _tile_loadd(7, wg[1], 64);
+        _tile_loadd(4, a0 + g * 64, lda);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+          _tile_loadd(5, a1 + g * 64, lda);
+          _tile_dpbf16ps(2, 5, 6);
+          _tile_dpbf16ps(3, 5, 7);
+        }
+      }
+      store_sums(y, m, n, strip * 2 * kTileCols, bias);
+    }
+    _tile_release();
+  });
+}
+
+template <int Bits>
+void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
                 const at::Half* scales, const at::Half* offsets, const float* bias,
                 at::BFloat16* y, int64_t n) {
   const int64_t groups = k / kGroup;
@@ -249,6 +322,10 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
   // are the big operand, and reading them once per strip ran at a third of the AMX rate.
   const int64_t strip_bytes = groups * 2 * 512 * sizeof(uint16_t);
   const int64_t run_len = std::max<int64_t>(1, (256 << 10) / strip_bytes);
+  if (padded_m <= 2 * kTileRows) {
+    amx_linear_one_pass<Bits>(x, m, k, codes, scales, offsets, bias, y, n);
+    return;
+  }
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
     // Not value-initialised: zeroing up to 256 KB per call cost more than the products.
@@ -270,7 +347,8 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
       }
       for (int64_t m0 = 0; m0 < padded_m; m0 += 2 * kTileRows) {
         const bool two = m0 + kTileRows < padded_m;
-        const char* a0 = reinterpret_cast<const char*>(x + m0 * k);
+        const char* a0 = x.at(m0);
+        const char* a1 = x.at(m0 + kTileRows);
         for (int64_t strip = run; strip < run_end; ++strip) {
           const uint16_t* ws = w.get() + (strip - run) * groups * 1024;
           _tile_zero(0);
@@ -284,7 +362,7 @@ void amx_linear(const at::BFloat16* x, int64_t m, int64_t k, const uint8_t* code
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             if (two) {
-              _tile_loadd(5, a0 + kTileRows * lda + g * 64, lda);
+              _tile_loadd(5, a1 + g * 64, lda);
               _tile_dpbf16ps(2, 5, 6);
               _tile_dpbf16ps(3, 5, 7);
             }
@@ -365,14 +443,17 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
     gemv_linear(x.contiguous(), cp, sp, off, b, yp, n, bits);
     return y;
   }
-  // Tiles read 16 whole rows: a partial last block reads from a zero-padded copy.
-  at::Tensor a = x.contiguous();
-  if (m % kTileRows != 0) {
-    a = at::zeros({(m + kTileRows - 1) / kTileRows * kTileRows, k}, x.options());
-    a.narrow(0, 0, m).copy_(x);
+  const at::Tensor a = x.contiguous();
+  const at::BFloat16* xp = a.data_ptr<at::BFloat16>();
+  const int64_t full = m / kTileRows * kTileRows;
+  // Plain memory, not a tensor: a step's ~120 calls paid ~1 ms for at::zeros and copy_.
+  thread_local std::vector<at::BFloat16> tail;
+  if (full < m) {
+    tail.assign(kTileRows * k, at::BFloat16(0.f));
+    std::memcpy(tail.data(), xp + full * k, (m - full) * k * sizeof(at::BFloat16));
   }
   const auto fn = bits == 4 ? amx_linear<4> : amx_linear<8>;
-  fn(a.data_ptr<at::BFloat16>(), m, k, cp, sp, off, b, yp, n);
+  fn(RowBlocks{xp, tail.data(), full, k}, m, k, cp, sp, off, b, yp, n);
 #endif
   return y;
 }
