@@ -54,8 +54,10 @@ constexpr int64_t kGrain = 16;
 // In place: s = exp(s - max(s)); returns the sum (softmax's denominator).
 inline float exp_sum_(float* s, int64_t n) {
   float mx = std::numeric_limits<float>::lowest();
+  // Written as a select: the vectoriser left a std::max reduction scalar (one vmaxss after
+  // another, most of this function's time at context 200).
 #pragma omp simd reduction(max : mx)
-  for (int64_t t = 0; t < n; ++t) mx = std::max(mx, s[t]);
+  for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
@@ -318,7 +320,6 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
       }
     }
   }
-  alignas(64) float c[16][16];
   _tile_loadd(2, qt[0], 64);
   _tile_loadd(3, qt[1], 64);
   if constexpr (kSteps == 4) {
@@ -334,24 +335,44 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
       for (int64_t line = 0; line < D * 2; line += 64) _mm_prefetch(row + line, _MM_HINT_T0);
     }
   };
-  for (int64_t first = 0; first < n; first += 16) {
-    const at::BFloat16* k = page_rows(kc, first);
-    prefetch_page(kc, first + 16);
-    _tile_zero(0);
-    _tile_loadd(1, k, stride * 2);
-    _tile_dpbf16ps(0, 1, 2);
-    _tile_loadd(1, k + 32, stride * 2);
-    _tile_dpbf16ps(0, 1, 3);
-    if constexpr (kSteps == 4) {
-      _tile_loadd(1, k + 64, stride * 2);
-      _tile_dpbf16ps(0, 1, 4);
-      _tile_loadd(1, k + 96, stride * 2);
-      _tile_dpbf16ps(0, 1, 5);
-    }
-    _tile_stored(0, c, 64);
-    const int64_t count = std::min<int64_t>(16, n - first);
-    for (int64_t j = 0; j < G; ++j) {
-      for (int64_t t = 0; t < count; ++t) scores[j * padded_n + first + t] = c[t][j] * scale;
+  // Each page's 16 x 16 block (token rows, query-head columns) goes straight to memory, and
+  // pages alternate between two sum/key tile pairs, so that the tile unit never waits for the
+  // previous page's results to be read.
+  thread_local std::vector<float> blocks;
+  blocks.resize(padded_n * 16);
+  // (A macro: the tile intrinsics take tile numbers as literals.)
+#define PAGEDSERVE_PAGE_SCORES(first, sum, key)                   \
+  do {                                                            \
+    const at::BFloat16* k = page_rows(kc, first);                 \
+    prefetch_page(kc, (first) + 32);                              \
+    _tile_zero(sum);                                              \
+    _tile_loadd(key, k, stride * 2);                              \
+    _tile_dpbf16ps(sum, key, 2);                                  \
+    _tile_loadd(key, k + 32, stride * 2);                         \
+    _tile_dpbf16ps(sum, key, 3);                                  \
+    if constexpr (kSteps == 4) {                                  \
+      _tile_loadd(key, k + 64, stride * 2);                       \
+      _tile_dpbf16ps(sum, key, 4);                                \
+      _tile_loadd(key, k + 96, stride * 2);                       \
+      _tile_dpbf16ps(sum, key, 5);                                \
+    }                                                             \
+    _tile_stored(sum, blocks.data() + (first) * 16, 64);          \
+  } while (0)
+  prefetch_page(kc, 16);
+  for (int64_t first = 0; first < n; first += 32) {
+    PAGEDSERVE_PAGE_SCORES(first, 0, 1);
+    if (first + 16 < n) PAGEDSERVE_PAGE_SCORES(first + 16, 6, 7);
+  }
+#undef PAGEDSERVE_PAGE_SCORES
+  // Column j of the blocks is query head j's scores.
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6,
+                                                               5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  const __m512 scale_v = _mm512_set1_ps(scale);
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t t = 0; t < n; t += 16) {
+      const __m512 v = _mm512_i32gather_ps(column, blocks.data() + t * 16 + j, 4);
+      _mm512_storeu_ps(scores.data() + j * padded_n + t, _mm512_mul_ps(v, scale_v));
     }
   }
   // Probabilities as bfloat16 pairs (t, t+1), zeros after the last token: one conversion
