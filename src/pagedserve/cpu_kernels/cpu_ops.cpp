@@ -452,6 +452,33 @@ AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
 }
 #endif
 
+namespace {
+
+// Work handed out a chunk at a time to whichever thread asks first (at::parallel_for splits
+// its range evenly up front, which suits only items of equal cost).
+class Claims {
+ public:
+  Claims(int64_t count, int64_t chunk) : count_(count), chunk_(chunk) {}
+
+  // Threads worth starting: at most one per chunk.
+  int64_t threads() const {
+    return std::min<int64_t>(at::get_num_threads(), (count_ + chunk_ - 1) / chunk_);
+  }
+
+  // The next chunk [begin, end); false when none is left.
+  bool next(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    end = std::min(begin + chunk_, count_);
+    return begin < count_;
+  }
+
+ private:
+  const int64_t count_, chunk_;
+  std::atomic<int64_t> next_{0};
+};
+
+}  // namespace
+
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
 // q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
@@ -485,20 +512,19 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     // differ a lot (20-900 tokens in the serving benchmark), and an even split of the units
     // made one thread wait for the other ~10% of the kernel's time. A thread takes a whole
     // sequence at a time when there are enough: its heads share the pages' cache lines.
-    const int64_t units = b * hk, threads = at::get_num_threads();
-    const int64_t claim = b >= 4 * threads ? hk : 1;
+    const int64_t units = b * hk, claim = b >= 4 * at::get_num_threads() ? hk : 1;
     std::vector<int64_t> order(units);
     std::iota(order.begin(), order.end(), 0);
     std::stable_sort(order.begin(), order.end(),
                      [&](int64_t x, int64_t y) { return lens[x / hk] > lens[y / hk]; });
-    std::atomic<int64_t> next{0};
-    at::parallel_for(0, std::min(units, threads), 1, [&](int64_t, int64_t) {
+    Claims claims(units, claim);
+    at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, acc, scores;
 #ifdef PAGEDSERVE_AMX
       if (amx_fn != nullptr) _tile_loadconfig(&tile_config());
 #endif
-      for (int64_t first; (first = next.fetch_add(claim, std::memory_order_relaxed)) < units;) {
-        for (int64_t i = first; i < std::min(first + claim, units); ++i) {
+      for (int64_t begin, end; claims.next(begin, end);) {
+        for (int64_t i = begin; i < end; ++i) {
           const int64_t seq = order[i] / hk, h = order[i] % hk;
           const scalar_t* qu = qp + seq * qs + h * g * d;
           scalar_t* ou = op + (seq * hq + h * g) * d;
