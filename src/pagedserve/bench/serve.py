@@ -30,6 +30,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+import uvloop
 from tqdm import tqdm
 
 # The shipped prompt set lives in the repository's benchmarks/ folder (editable installs).
@@ -515,7 +516,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     prompts = select_prompts(cfg)
-    model, levels = asyncio.run(run_benchmark(cfg, prompts))
+    # uvloop, as the server: the client shares the machine with the server it measures
+    # (c=32 on 2 cores: ~0.15 s less client CPU a level than asyncio's default loop).
+    model, levels = uvloop.run(run_benchmark(cfg, prompts))
     loop = "closed loop" if math.isinf(cfg.request_rate) else f"Poisson {cfg.request_rate}/s"
     print(
         f"{cfg.base_url} model {model}: {cfg.num_prompts} prompts x {cfg.max_tokens} output "
