@@ -264,8 +264,8 @@ inline void store_sums(at::BFloat16* y, int64_t m, int64_t n, int64_t n0, const 
 }
 
 // amx_linear for steps of at most 32 rows (decode): each group's two weight tiles are used
-// by every row as soon as they are decoded, so they never leave L1 and the AMX unit multiplies
-// one group while the vector units decode the next.
+// by every row as soon as they are decoded, in L1, instead of a run of strips decoded to L2
+// first (all packed linears of a batch-32 step of the default model: 11.1-15.0 -> 9.9-12.0 ms).
 template <int Bits>
 void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
                          const at::Half* scales, const at::Half* offsets, const float* bias,
@@ -278,7 +278,7 @@ void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const uint8_t
   const char* a1 = x.at(kTileRows);
   at::parallel_for(0, n / (2 * kTileCols), 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
-    alignas(64) uint16_t w[2][2][512];  // [buffer][column tile]: decode one while one multiplies
+    alignas(64) uint16_t w[2][2][512];  // [buffer, alternating by group][column tile]
     for (int64_t strip = begin; strip < end; ++strip) {
       _tile_zero(0);
       _tile_zero(1);
