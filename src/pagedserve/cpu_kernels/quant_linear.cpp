@@ -247,19 +247,37 @@ struct RowBlocks {
   }
 };
 
-// Stores accumulator tiles 0-3 (rows [0, m) of at most 32, columns [n0, n0 + 32)) to y.
-inline void store_sums(at::BFloat16* y, int64_t m, int64_t n, int64_t n0, const float* bias) {
+// Sums 0-3 plus the bias to y: rows [m0, m0 + min(rows, 32)), columns [n0, n0 + 32).
+inline void store_sums(at::BFloat16* y, int64_t ldy, int64_t m0, int64_t rows, int64_t n0,
+                       const float* bias) {
   alignas(64) float acc[16 * 16];
-  const int64_t rows0 = std::min<int64_t>(kTileRows, m);
+  const int64_t rows0 = std::min<int64_t>(kTileRows, rows);
   _tile_stored(0, acc, 64);
-  store_tile(acc, y, n, 0, rows0, n0, bias);
+  store_tile(acc, y, ldy, m0, rows0, n0, bias);
   _tile_stored(1, acc, 64);
-  store_tile(acc, y, n, 0, rows0, n0 + kTileCols, bias);
-  if (m > kTileRows) {
+  store_tile(acc, y, ldy, m0, rows0, n0 + kTileCols, bias);
+  if (rows > kTileRows) {
+    const int64_t rows1 = std::min<int64_t>(kTileRows, rows - kTileRows);
     _tile_stored(2, acc, 64);
-    store_tile(acc, y, n, kTileRows, m - kTileRows, n0, bias);
+    store_tile(acc, y, ldy, m0 + kTileRows, rows1, n0, bias);
     _tile_stored(3, acc, 64);
-    store_tile(acc, y, n, kTileRows, m - kTileRows, n0 + kTileCols, bias);
+    store_tile(acc, y, ldy, m0 + kTileRows, rows1, n0 + kTileCols, bias);
+  }
+}
+
+// One group's products into sums 0-3: activation rows [0, 16) at a0 (and [16, 32) at a1 when
+// `two`) times the group's two decoded weight tiles.
+inline void multiply_group(const uint16_t* w0, const uint16_t* w1, const char* a0, const char* a1,
+                           int64_t lda, bool two) {
+  _tile_loadd(6, w0, 64);
+  _tile_loadd(7, w1, 64);
+  _tile_loadd(4, a0, lda);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  if (two) {
+    _tile_loadd(5, a1, lda);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
   }
 }
 
@@ -291,18 +309,9 @@ void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const uint8_t
           decode_tile<Bits>(codes + tile * tile_bytes, scales + tile * 16,
                             offsets != nullptr ? offsets + tile * 16 : nullptr, wg[t]);
         }
-        _tile_loadd(6, wg[0], 64);
-        _tile_loadd(7, wg[1], 64);
-        _tile_loadd(4, a0 + g * 64, lda);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-          _tile_loadd(5, a1 + g * 64, lda);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
-        }
+        multiply_group(wg[0], wg[1], a0 + g * 64, a1 + g * 64, lda, two);
       }
-      store_sums(y, m, n, strip * 2 * kTileCols, bias);
+      store_sums(y, n, 0, m, strip * 2 * kTileCols, bias);
     }
     _tile_release();
   });
@@ -330,7 +339,6 @@ void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
     _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
     // Not value-initialised: zeroing up to 256 KB per call cost more than the products.
     std::unique_ptr<uint16_t[]> w(new uint16_t[std::min(run_len, end - begin) * groups * 1024]);
-    alignas(64) float acc[4][256];
     for (int64_t run = begin; run < end; run += run_len) {
       const int64_t run_end = std::min(end, run + run_len);
       for (int64_t strip = run; strip < run_end; ++strip) {
@@ -356,30 +364,10 @@ void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
           _tile_zero(2);
           _tile_zero(3);
           for (int64_t g = 0; g < groups; ++g) {
-            _tile_loadd(6, ws + g * 1024, 64);
-            _tile_loadd(7, ws + g * 1024 + 512, 64);
-            _tile_loadd(4, a0 + g * 64, lda);
-            _tile_dpbf16ps(0, 4, 6);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) {
-              _tile_loadd(5, a1 + g * 64, lda);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
+            const uint16_t* wg = ws + g * 1024;
+            multiply_group(wg, wg + 512, a0 + g * 64, a1 + g * 64, lda, two);
           }
-          const int64_t n0 = strip * 2 * kTileCols;
-          _tile_stored(0, acc[0], 64);
-          _tile_stored(1, acc[1], 64);
-          const int64_t rows0 = std::min<int64_t>(kTileRows, m - m0);
-          store_tile(acc[0], y, n, m0, rows0, n0, bias);
-          store_tile(acc[1], y, n, m0, rows0, n0 + kTileCols, bias);
-          if (two) {  // then m0 + 16 < m: padded_m is m rounded up to 16
-            _tile_stored(2, acc[2], 64);
-            _tile_stored(3, acc[3], 64);
-            const int64_t rows1 = std::min<int64_t>(kTileRows, m - m0 - kTileRows);
-            store_tile(acc[2], y, n, m0 + kTileRows, rows1, n0, bias);
-            store_tile(acc[3], y, n, m0 + kTileRows, rows1, n0 + kTileCols, bias);
-          }
+          store_sums(y, n, m0, m - m0, strip * 2 * kTileCols, bias);
         }
       }
     }
