@@ -92,10 +92,11 @@ CASES = [
 
 @pytest.mark.parametrize(("group", "head_dim", "dtype", "page_size"), CASES)
 def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
-    """A mixed step (decodes of lengths 1 to 150, partly filled pages, then prefill chunks with
+    """A mixed step (decodes of lengths 1 to 200, partly filled pages, then prefill chunks with
     and without cached context) through the fused CPU path and the SDPA path."""
-    q_lens = [1, 1, 1, 1, 1, 9, 5]
-    contexts = [1, 16, 17, 150, 33, 9, 40]
+    # Nine decodes: with two threads, enough that the kernel hands out whole sequences.
+    q_lens = [1, 1, 1, 1, 1, 1, 1, 1, 1, 9, 5]
+    contexts = [1, 16, 17, 150, 33, 64, 5, 200, 31, 9, 40]
     pool = Pool(contexts, page_size, head_dim, dtype)
     meta = make_meta(pool, q_lens, contexts)
     t = sum(q_lens)
@@ -113,12 +114,12 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
     assert torch.equal(kc, ref_kc) and torch.equal(vc, ref_vc)
     close(out, ref)
 
-    decode_only = make_meta(pool, q_lens[:5], contexts[:5], write=False)
+    decode_only = make_meta(pool, q_lens[:9], contexts[:9], write=False)
     backend = TorchAttentionBackend(fused=True)
     backend.prepare(decode_only, page_size, group)
     empty = torch.empty(0, NUM_KV_HEADS, head_dim, dtype=dtype)
-    got = backend.forward(q[:5], empty, empty, kc, vc, decode_only, head_dim**-0.5)
-    close(got, ref[:5])
+    got = backend.forward(q[:9], empty, empty, kc, vc, decode_only, head_dim**-0.5)
+    close(got, ref[:9])
 
 
 @pytest.mark.parametrize("bias", [False, True])
