@@ -7,7 +7,7 @@ import torch
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta
 from pagedserve.attention.torch_backend import TorchAttentionBackend
-from pagedserve.cpu_kernels import ops
+from pagedserve.cpu_kernels import HEADERS, build_name, ops
 from pagedserve.models import layer_ops
 from pagedserve.models.gguf_file import QuantWeight
 from pagedserve.models.linear import Embedding, Linear
@@ -199,3 +199,16 @@ def test_packing_refuses_mixed_types_and_odd_shapes():
     assert not packable([random_quant(48, 64, 4, gen)])  # 48 columns: not whole strips of 32
     with pytest.raises(ValueError, match="do not pack"):
         PackedWeight.pack([random_quant(16, 64, 8, gen)])
+
+
+def test_build_name_follows_the_headers(tmp_path):
+    """A header edit alone must give the extension a new name (so it is rebuilt)."""
+    assert {h.name for h in HEADERS} >= {"amx.h", "quant_linear.h"}
+    headers = [tmp_path / "a.h", tmp_path / "b.h"]
+    headers[0].write_text("#pragma once\n")
+    headers[1].write_text("int f();\n")
+    before = build_name(headers)
+    assert build_name(headers) == before
+    headers[1].write_text("int f(int);\n")
+    assert build_name(headers) != before
+    assert build_name() == build_name(HEADERS)

@@ -9,6 +9,7 @@ library in well under a second. `make install` builds them ahead of the first se
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import shutil
@@ -19,8 +20,18 @@ from types import ModuleType
 logger = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "quant_linear.cpp")]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]
+
+
+def build_name(headers: list[Path] = HEADERS) -> str:
+    """The extension's name, with a digest of the headers in it: torch's builder rebuilds a
+    cached extension when a listed source changes, not when only a header they include does."""
+    digest = hashlib.sha256()
+    for header in headers:
+        digest.update(header.name.encode() + b"\0" + header.read_bytes())
+    return f"pagedserve_cpu_ops_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
@@ -33,7 +44,7 @@ def ops() -> ModuleType:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     start = time.monotonic()
     module = load(
-        name="pagedserve_cpu_ops",
+        name=build_name(),
         sources=[str(p) for p in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp", "-lm"],
