@@ -326,8 +326,9 @@ void decode_unit_amx(const at::BFloat16* q, const at::BFloat16* kc, const at::BF
     _tile_loadd(4, qt[2], 64);
     _tile_loadd(5, qt[3], 64);
   }
-  // Pages sit anywhere in the pool, beyond the hardware prefetcher's reach: fetch the next
-  // page's rows of this head while the current one is multiplied.
+  // Pages sit anywhere in the pool, beyond the hardware prefetcher's reach: fetch a later
+  // page's rows of this head while the current one is multiplied (keys two pages ahead, as
+  // pages go through the tiles in pairs; values one page ahead).
   const auto prefetch_page = [&](const at::BFloat16* cache, int64_t first) {
     if (first >= n) return;
     const char* row = reinterpret_cast<const char*>(page_rows(cache, first));

@@ -321,6 +321,10 @@ template <int Bits>
 void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
                 const at::Half* scales, const at::Half* offsets, const float* bias,
                 at::BFloat16* y, int64_t n) {
+  if (m <= 2 * kTileRows) {
+    amx_linear_one_pass<Bits>(x, m, k, codes, scales, offsets, bias, y, n);
+    return;
+  }
   const int64_t groups = k / kGroup;
   const int64_t tile_bytes = kTileRows * kGroup * Bits / 8;
   const int64_t padded_m = (m + kTileRows - 1) / kTileRows * kTileRows;
@@ -331,10 +335,6 @@ void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const uint8_t* codes,
   // are the big operand, and reading them once per strip ran at a third of the AMX rate.
   const int64_t strip_bytes = groups * 2 * 512 * sizeof(uint16_t);
   const int64_t run_len = std::max<int64_t>(1, (256 << 10) / strip_bytes);
-  if (padded_m <= 2 * kTileRows) {
-    amx_linear_one_pass<Bits>(x, m, k, codes, scales, offsets, bias, y, n);
-    return;
-  }
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
     _tile_loadconfig(&tile_config());  // tmm0-3: sums; tmm4-5: activations; tmm6-7: weights
     // Not value-initialised: zeroing up to 256 KB per call cost more than the products.
