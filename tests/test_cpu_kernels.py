@@ -211,4 +211,3 @@ def test_build_name_follows_the_headers(tmp_path):
     assert build_name(headers) == before
     headers[1].write_text("int f(int);\n")
     assert build_name(headers) != before
-    assert build_name() == build_name(HEADERS)
