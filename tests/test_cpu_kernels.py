@@ -46,6 +46,20 @@ def test_silu_and_mul(dtype):
     close(layer_ops.silu_and_mul(x), layer_ops.silu_and_mul_torch(x))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_argmax_rows_takes_the_first_maximum(dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(6, 1000, generator=gen).to(dtype)
+    x[1, 3] = x[1, 999] = 9.0  # ties: the first wins, as in torch.argmax
+    x[2, 999] = 9.0  # the last position, in a partial block
+    x[3] = -2.0  # a constant row
+    x[4, 256] = x[4, 700] = 9.0  # the first of a later block
+    x[5] = -torch.finfo(dtype).max
+    got = ops().argmax_rows(x)
+    assert got.tolist() == x.argmax(dim=-1).tolist() == [x[0].argmax().item(), 3, 999, 0, 256, 0]
+    assert ops().argmax_rows(x[:0]).shape == (0,)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rotary_in_place_on_fused_qkv_views(dtype):
     gen = torch.Generator().manual_seed(1)

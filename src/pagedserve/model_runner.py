@@ -112,12 +112,14 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
-        """Float32 logits of the step's `sample_tokens` (empty on tensor-parallel ranks but 0)."""
+        """Logits (the model's dtype) of the step's `sample_tokens` (empty on tensor-parallel
+        ranks but 0)."""
         meta = self.build_metadata(step)
         dev = self.device
         hidden = self.model(step.input_ids.to(dev), step.positions.to(dev), self.kv_caches, meta)
         return self.model.compute_logits(hidden[step.sample_tokens.to(dev)]).cpu()
 
     def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; returns float32 logits of the last new token of each `sample_rows` row."""
+        """Run one step; returns logits (the model's dtype) of the last new token of each
+        `sample_rows` row."""
         return self.run(prepare_step(batch, sample_rows))

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.cpu_kernels import ops
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sequence import Sequence
 
@@ -36,16 +37,17 @@ def _token_counts(rows: list[list[int]], vocab: int) -> torch.Tensor:
 
 
 def apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Penalized logits in float32; `logits` itself where no row has a penalty."""
     vocab = logits.shape[1]
     rep = torch.tensor([s.params.repetition_penalty for s in seqs])
     pres = torch.tensor([s.params.presence_penalty for s in seqs])
     freq = torch.tensor([s.params.frequency_penalty for s in seqs])
     if (pres != 0).any() or (freq != 0).any():
         out_counts = _token_counts([s.output_token_ids for s in seqs], vocab)
-        logits = logits - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0)
+        logits = logits.float() - freq[:, None] * out_counts - pres[:, None] * (out_counts > 0)
     if (rep != 1.0).any():
         seen = _token_counts([s.all_token_ids for s in seqs], vocab) > 0
-        r = rep[:, None]
+        r, logits = rep[:, None], logits.float()
         penalized = torch.where(logits > 0, logits / r, logits * r)
         logits = torch.where(seen, penalized, logits)
     return logits
@@ -92,28 +94,35 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     return tokens
 
 
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximum (torch.argmax's choice); on CPU by a C++ kernel that reads
+    bfloat16 logits as they are (torch's argmax is ~1 ms at batch 32 of a 49k vocabulary)."""
+    return ops().argmax_rows(logits) if logits.is_cpu else logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
-    """logits: [len(seqs), vocab] float32 for each sequence's last position."""
+    """logits: [len(seqs), vocab] for each sequence's last position, in the model's dtype
+    (all arithmetic on them is in float32)."""
     raw = logits
     logits = apply_penalties(logits, seqs)
     if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         _block_stop_tokens(logits, seqs, eos_ids)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
-        tokens = logits.max(dim=-1).indices  # first maximum, as argmax; 2.5x faster on CPU
+        tokens = _argmax(logits)
     else:
         temp = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs])
-        probs = _filter(torch.softmax(logits / temp[:, None], dim=-1), seqs)
+        probs = _filter(torch.softmax(logits.float() / temp[:, None], dim=-1), seqs)
         tokens = _draw(probs, seqs)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy), logits.max(dim=-1).indices, tokens)
+            tokens = torch.where(torch.tensor(greedy), _argmax(logits), tokens)
     token_list = tokens.tolist()
 
     want = [s.params.logprobs for s in seqs]
     logprobs: list[TokenLogprobs | None] = [None] * len(seqs)
     if any(w is not None for w in want):
-        lp = torch.log_softmax(raw, dim=-1)
+        lp = torch.log_softmax(raw.float(), dim=-1)
         k = max(w or 0 for w in want)
         top_vals, top_ids = lp.topk(k, dim=-1) if k else (None, None)
         chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()

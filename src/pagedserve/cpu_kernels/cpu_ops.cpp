@@ -215,6 +215,44 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
   return out;
 }
 
+// Index of the first maximum of each row of x [B, V] (dense rows): greedy sampling's choice,
+// as torch.argmax makes it, without the float32 copy of the logits that torch's max over a
+// dimension needs for speed (together ~1.2 ms a step at batch 32 of the default model).
+torch::Tensor argmax_rows(const torch::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "argmax_rows: x [B, V]");
+  const int64_t rows = x.size(0), n = x.size(1);
+  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  int64_t* idx = out.data_ptr<int64_t>();
+  dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+      constexpr int64_t kBlock = 256;
+      for (int64_t r = begin; r < end; ++r) {
+        const scalar_t* row = xp + r * x.stride(0);
+        float mx = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : mx)
+        for (int64_t i = 0; i < n; ++i) mx = to_f(row[i]) > mx ? to_f(row[i]) : mx;
+        // The first block that holds the maximum, then its first position there.
+        int64_t at = 0;
+        for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
+          const int64_t b1 = std::min(n, b0 + kBlock);
+          int hit = 0;
+#pragma omp simd reduction(| : hit)
+          for (int64_t i = b0; i < b1; ++i) hit |= to_f(row[i]) == mx;
+          if (hit) {
+            at = b0;
+            while (to_f(row[at]) != mx) ++at;
+            break;
+          }
+        }
+        idx[r] = at;
+      }
+    });
+  });
+  return out;
+}
+
 // Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
 // [pages, page_size, Hk, D]; slot_mapping int64 [T] (flat page * page_size + offset, or -1 for
 // a token to skip).
@@ -603,6 +641,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &add_rms_norm_, nogil);
   m.def("rotary_", &rotary_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
+  m.def("argmax_rows", &argmax_rows, nogil);
   m.def("write_kv_", &write_kv_, nogil);
   m.def("paged_decode_attention", &paged_decode_attention, nogil);
   m.def("decode_layer", &decode_layer, nogil);

@@ -157,7 +157,7 @@ class TensorParallelExecutor:
 
     # ---- steps ---------------------------------------------------------------------------
     def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step on every rank; float32 logits of the sampled rows (from rank 0)."""
+        """Run one step on every rank; logits of the sampled rows (from rank 0)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         assert self.rank is not None

@@ -214,7 +214,7 @@ class LlamaForCausalLM(nn.Module):
         return args
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden)
 
     # ---- weights ---------------------------------------------------------------------------
     _STACKED = {  # HF name -> (our fused name, shard index)
