@@ -80,15 +80,24 @@ inline void decode_tile(const uint8_t* codes, const at::Half* scale, const at::H
     _mm512_storeu_si512(out + r * 32, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   };
   if constexpr (Bits == 4) {
-    const __m512i nibble = _mm512_set1_epi32(0xF);
+    // A code c becomes the float32 1 + c/16 by one shift and one OR into the mantissa of 1.0
+    // (no int-to-float conversion): weight = (1 + c/16) * 16 scale + (offset - 16 scale).
+    const __m512 sixteen = _mm512_set1_ps(16.f);
+    s_lo = _mm512_mul_ps(s_lo, sixteen);
+    s_hi = _mm512_mul_ps(s_hi, sixteen);
+    o_lo = _mm512_sub_ps(o_lo, s_lo);
+    o_hi = _mm512_sub_ps(o_hi, s_hi);
+    const __m512i mantissa = _mm512_set1_epi32(0xF << 19), one = _mm512_set1_epi32(0x3F800000);
+    constexpr int kAndOr = 0xEA;  // ternary logic: (a & b) | c
+    const auto code_plus_one = [&](__m512i v, int i) {
+      return _mm512_castsi512_ps(
+          _mm512_ternarylogic_epi32(_mm512_slli_epi32(v, 19 - 4 * i), mantissa, one, kAndOr));
+    };
     for (int q = 0; q < 4; ++q) {
       const __m512i words = _mm512_loadu_si512(codes + q * 64);
       const __m512i v0 = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(words));
       const __m512i v1 = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(words, 1));
-      for (int i = 0; i < 4; ++i) {
-        emit(4 * q + i, _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v0, 4 * i), nibble)),
-             _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(v1, 4 * i), nibble)));
-      }
+      for (int i = 0; i < 4; ++i) emit(4 * q + i, code_plus_one(v0, i), code_plus_one(v1, i));
     }
   } else {
     for (int r = 0; r < 16; ++r) {
