@@ -30,11 +30,11 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import httpx
 import psutil
 
 from pagedserve.bench.serve import format_table, plot
@@ -163,9 +163,10 @@ def wait_healthy(proc: subprocess.Popen, url: str, log: Path, timeout_s: float =
             tail = log.read_text(errors="replace")[-3000:]
             raise RuntimeError(f"the server exited with {proc.returncode}:\n{tail}")
         try:
-            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:  # refused, timed out, or an error status while it starts
             pass
         time.sleep(0.5)
     raise RuntimeError(f"no healthy answer from {url} within {timeout_s:.0f} s (log: {log})")

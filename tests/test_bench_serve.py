@@ -1,5 +1,6 @@
-"""`pagedserve bench serve`: its timing and counting against scripted fake servers (httpx's
-MockTransport, no model), then end to end against a real `pagedserve serve` subprocess."""
+"""`pagedserve bench serve`: its timing and counting against scripted fake servers (aiohttp
+servers on a local port, no model), then end to end against a real `pagedserve serve`
+subprocess."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiohttp import web
 
 from pagedserve.bench.serve import (
     DEFAULT_DATASET,
@@ -50,46 +52,63 @@ class FakeServer:
         self.bodies: list[dict] = []
         self.in_flight = self.max_in_flight = 0
 
-    async def handler(self, request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "fake-model"}]})
-        body = json.loads(request.content)
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "fake-model"}]})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
         self.bodies.append(body)
         if self.fail_every and len(self.bodies) % self.fail_every == 0:
-            return httpx.Response(503, json={"error": {"message": "overloaded"}})
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
         n = min(self.tokens, body["max_tokens"])
-        if not body["stream"]:
-            self.in_flight += 1
-            self.max_in_flight = max(self.max_in_flight, self.in_flight)
-            await asyncio.sleep(self.gap_s * n)
-            self.in_flight -= 1
-            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
-            choice = {"index": 0, "text": "x" * n, "finish_reason": "length"}
-            return httpx.Response(200, json={"choices": [choice], "usage": usage})
-        return httpx.Response(200, content=self._stream(n, body))
-
-    async def _stream(self, n: int, body: dict):
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        for i in range(n):
-            await asyncio.sleep(self.gap_s)
-            last = i == n - 1 and not self.finish_chunk
-            choice = {"index": 0, "text": f" t{i}", "finish_reason": "length" if last else None}
-            yield _sse({"choices": [choice], "usage": None})
-        if self.finish_chunk:  # vLLM-style: an empty chunk carrying only finish_reason
-            yield _sse({"choices": [{"index": 0, "text": "", "finish_reason": "length"}]})
-        if self.usage and body.get("stream_options", {}).get("include_usage"):
-            usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
-            yield _sse({"choices": [], "usage": usage})
-        # Before the last yield: a client stops reading at [DONE] and never resumes us.
-        self.in_flight -= 1
-        yield _sse("[DONE]")
+        try:
+            if not body["stream"]:
+                await asyncio.sleep(self.gap_s * n)
+                usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+                choice = {"index": 0, "text": "x" * n, "finish_reason": "length"}
+                return web.json_response({"choices": [choice], "usage": usage})
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            for i in range(n):
+                await asyncio.sleep(self.gap_s)
+                last = i == n - 1 and not self.finish_chunk
+                finish = "length" if last else None
+                choice = {"index": 0, "text": f" t{i}", "finish_reason": finish}
+                await resp.write(_sse({"choices": [choice], "usage": None}))
+            if self.finish_chunk:  # vLLM-style: an empty chunk carrying only finish_reason
+                choice = {"index": 0, "text": "", "finish_reason": "length"}
+                await resp.write(_sse({"choices": [choice]}))
+            if self.usage and body.get("stream_options", {}).get("include_usage"):
+                usage = {"prompt_tokens": 3, "completion_tokens": n, "total_tokens": 3 + n}
+                await resp.write(_sse({"choices": [], "usage": usage}))
+        finally:
+            # Before [DONE]: a client may close the connection as soon as it reads it.
+            self.in_flight -= 1
+        await resp.write(_sse("[DONE]"))
+        await resp.write_eof()
+        return resp
+
+
+async def _serve_and_bench(fake: FakeServer, **cfg_kw):
+    app = web.Application()
+    app.router.add_get("/v1/models", fake.models)
+    app.router.add_post("/v1/completions", fake.completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        host, port = runner.addresses[0][:2]
+        cfg = BenchConfig(base_url=f"http://{host}:{port}", **cfg_kw)
+        return cfg, await run_benchmark(cfg, PROMPTS, show_progress=False)
+    finally:
+        await runner.cleanup()
 
 
 def run_fake(fake: FakeServer, **cfg_kw):
-    cfg = BenchConfig(base_url="http://fake", **cfg_kw)
-    transport = httpx.MockTransport(fake.handler)
-    return asyncio.run(run_benchmark(cfg, PROMPTS, transport=transport, show_progress=False))
+    return asyncio.run(_serve_and_bench(fake, **cfg_kw))[1]
 
 
 def test_streaming_counts_and_times_tokens():
@@ -148,9 +167,7 @@ def test_non_streaming_ttft_is_latency():
 
 def test_errors_are_counted_not_raised():
     fake = FakeServer(tokens=2, fail_every=3)
-    cfg = BenchConfig(base_url="http://fake", concurrency=[1], warmup=False)
-    transport = httpx.MockTransport(fake.handler)
-    _, [lv] = asyncio.run(run_benchmark(cfg, PROMPTS, transport=transport, show_progress=False))
+    cfg, (_, [lv]) = asyncio.run(_serve_and_bench(fake, concurrency=[1], warmup=False))
     assert (lv.completed, lv.errors) == (4, 2)
     assert lv.error_samples == ["HTTP 503: overloaded"]
     data = json.loads(json.dumps(results_json(cfg, "fake-model", [lv])))  # JSON-safe

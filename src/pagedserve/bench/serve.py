@@ -6,8 +6,10 @@ workers, each sending the next prompt as soon as its previous one finished) or, 
 stream (SSE) so that every token can be timed: time to first token (TTFT), time per output token
 after the first (TPOT) and the gaps between streamed chunks (inter-token latency, ITL).
 
-One asyncio loop and one httpx connection pool: on a machine whose cores also run the server, the
-client must cost little CPU, or it lowers what it measures.
+One asyncio loop and one aiohttp connection pool (the client of vLLM's benchmark too): on a
+machine whose cores also run the server, the client must cost little CPU, or it lowers what it
+measures. Against httpx, aiohttp cut the client's CPU for a c=32 run of 64 x 128 tokens from
+0.75 to 0.28 s, and pagedserve measured 6-10% more output tokens/s on 2 cores.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import asyncio
 import dataclasses
 import functools
 import json
-import logging
 import math
 import random
 import secrets
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 import numpy as np
 import uvloop
 from tqdm import tqdm
@@ -196,29 +197,33 @@ def _payload(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict
     return body
 
 
-def _error_text(resp: httpx.Response, body: bytes) -> str:
+# What a failed request raises: connection and protocol errors, timeouts, a malformed body.
+_REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
+
+
+def _error_text(resp: aiohttp.ClientResponse, body: bytes) -> str:
     try:
         msg = json.loads(body)["error"]["message"]
     except (ValueError, KeyError, TypeError):
         msg = body[:200].decode("utf-8", "replace")
-    return f"HTTP {resp.status_code}: {msg}"
+    return f"HTTP {resp.status}: {msg}"
 
 
-async def send_streaming(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+async def send_streaming(client: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
     res = RequestResult()
     start = last = time.perf_counter()
     chunks = 0
     usage_tokens: int | None = None
     try:
-        async with client.stream("POST", url, json=body) as resp:
-            if resp.status_code != 200:
-                res.error = _error_text(resp, await resp.aread())
+        async with client.post(url, json=body) as resp:
+            if resp.status != 200:
+                res.error = _error_text(resp, await resp.read())
                 return res
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            async for line in resp.content:  # one SSE line at a time
+                if not line.startswith(b"data:"):
                     continue
                 data = line[5:].strip()
-                if data == "[DONE]":
+                if data == b"[DONE]":
                     break
                 now = time.perf_counter()
                 msg = json.loads(data)
@@ -239,7 +244,7 @@ async def send_streaming(client: httpx.AsyncClient, url: str, body: dict) -> Req
                 if usage := msg.get("usage"):
                     usage_tokens = usage.get("completion_tokens")
                     res.prompt_tokens = usage.get("prompt_tokens")
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except _REQUEST_ERRORS as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     res.latency_s = time.perf_counter() - start
@@ -249,17 +254,18 @@ async def send_streaming(client: httpx.AsyncClient, url: str, body: dict) -> Req
     return res
 
 
-async def send_plain(client: httpx.AsyncClient, url: str, body: dict) -> RequestResult:
+async def send_plain(client: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
     res = RequestResult()
     start = time.perf_counter()
     try:
-        resp = await client.post(url, json=body)
+        async with client.post(url, json=body) as resp:
+            content = await resp.read()
         res.latency_s = res.ttft_s = time.perf_counter() - start  # nothing arrives earlier
-        if resp.status_code != 200:
-            res.error = _error_text(resp, resp.content)
+        if resp.status != 200:
+            res.error = _error_text(resp, content)
             return res
-        usage = resp.json().get("usage") or {}
-    except (httpx.HTTPError, ValueError) as e:
+        usage = json.loads(content).get("usage") or {}
+    except _REQUEST_ERRORS as e:
         res.error = f"{type(e).__name__}: {e}"
         return res
     if usage.get("completion_tokens") is None:
@@ -348,12 +354,11 @@ def api_root(base_url: str) -> str:
     return base_url.rstrip("/").removesuffix("/v1")
 
 
-async def fetch_model(client: httpx.AsyncClient, root: str) -> str:
+async def fetch_model(client: aiohttp.ClientSession, root: str) -> str:
     try:
-        resp = await client.get(f"{root}/v1/models")
-        resp.raise_for_status()
-        return str(resp.json()["data"][0]["id"])
-    except (httpx.HTTPError, ValueError, KeyError, IndexError) as e:
+        async with client.get(f"{root}/v1/models", raise_for_status=True) as resp:
+            return str(json.loads(await resp.read())["data"][0]["id"])
+    except (*_REQUEST_ERRORS, KeyError, IndexError) as e:
         msg = f"cannot read a model id from {root}/v1/models ({e}); pass --model"
         raise ValueError(msg) from None
 
@@ -361,19 +366,17 @@ async def fetch_model(client: httpx.AsyncClient, root: str) -> str:
 async def run_benchmark(
     cfg: BenchConfig,
     prompts: list[str],
-    transport: httpx.AsyncBaseTransport | None = None,
     show_progress: bool = True,
 ) -> tuple[str, list[LevelResult]]:
     """The model id used and one result per concurrency level, in order."""
     root = api_root(cfg.base_url)
     url = f"{root}/v1/completions"
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
-    most = max(cfg.concurrency)
-    limits = httpx.Limits(max_connections=most, max_keepalive_connections=most)
+    connector = aiohttp.TCPConnector(limit=max(cfg.concurrency))
     # Read timeout is per chunk: a queued request may wait minutes for its first byte.
-    timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
-    async with httpx.AsyncClient(
-        limits=limits, timeout=timeout, headers=headers, transport=transport
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=cfg.timeout_s)
+    async with aiohttp.ClientSession(
+        connector=connector, timeout=timeout, headers=headers
     ) as client:
         model = cfg.model or await fetch_model(client, root)
         sender = send_streaming if cfg.stream else send_plain
@@ -514,7 +517,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def run_serve_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not one log line per request
     prompts = select_prompts(cfg)
     # uvloop, as the server: the client shares the machine with the server it measures
     # (c=32 on 2 cores: ~0.15 s less client CPU a level than asyncio's default loop).
