@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta
 from pagedserve.attention.torch_backend import TorchAttentionBackend
@@ -134,6 +135,32 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
     empty = torch.empty(0, NUM_KV_HEADS, head_dim, dtype=dtype)
     got = backend.forward(q[:9], empty, empty, kc, vc, decode_only, head_dim**-0.5)
     close(got, ref[:9])
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
+def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
+    """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), q/k/v as views of one
+    fused qkv output, against causal SDPA chunk by chunk."""
+    lens = [1, 5, 16, 17, 33, 100, 147]
+    starts = [sum(lens[:i]) for i in range(len(lens))]
+    hq, hk, t = NUM_KV_HEADS * group, NUM_KV_HEADS, sum(lens)
+    gen = torch.Generator().manual_seed(group)
+    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, generator=gen).bfloat16()
+    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=1)
+    q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
+    if not ops().prefill_attention_supported(q):
+        pytest.skip("needs AMX")
+    out = torch.full((t, hq, head_dim), float("nan"), dtype=torch.bfloat16)
+    ops().prefill_attention_(q, k, v, out, starts, lens, head_dim**-0.5)
+    for s, n in zip(starts, lens, strict=True):
+        span = slice(s, s + n)
+        want = F.scaled_dot_product_attention(
+            *(x[span].transpose(0, 1)[None] for x in (q, k, v)),
+            is_causal=True,
+            scale=head_dim**-0.5,
+            enable_gqa=True,
+        )[0].transpose(0, 1)
+        close(out[span], want)
 
 
 @pytest.mark.parametrize("bias", [False, True])

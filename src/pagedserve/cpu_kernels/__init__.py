@@ -1,5 +1,5 @@
-"""Fused C++ kernels for CPU steps (cpu_ops.cpp, quant_linear.cpp), compiled on first use and
-cached.
+"""Fused C++ kernels for CPU steps (cpu_ops.cpp, quant_linear.cpp, prefill_attention.cpp),
+compiled on first use and cached.
 
 torch's extension builder compiles them for this machine's CPU (-march=native) into
 ~/.cache/torch_extensions (or $TORCH_EXTENSIONS_DIR) once; later processes load the cached
@@ -19,7 +19,10 @@ from types import ModuleType
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).with_name(f) for f in ("cpu_ops.cpp", "quant_linear.cpp")]
+SOURCES = [
+    Path(__file__).with_name(f)
+    for f in ("cpu_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp")
+]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
 CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-ffast-math", "-fopenmp"]

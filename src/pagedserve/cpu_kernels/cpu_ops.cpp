@@ -8,6 +8,8 @@
 #include <torch/extension.h>
 
 #include "amx.h"
+#include "claims.h"
+#include "prefill_attention.h"
 #include "quant_linear.h"
 
 #include <ATen/Parallel.h>
@@ -491,33 +493,6 @@ AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
 }
 #endif
 
-namespace {
-
-// Work handed out a chunk at a time to whichever thread asks first (at::parallel_for splits
-// its range evenly up front, which suits only items of equal cost).
-class Claims {
- public:
-  Claims(int64_t count, int64_t chunk) : count_(count), chunk_(chunk) {}
-
-  // Threads worth starting: at most one per chunk.
-  int64_t threads() const {
-    return std::min<int64_t>(at::get_num_threads(), (count_ + chunk_ - 1) / chunk_);
-  }
-
-  // The next chunk [begin, end); false when none is left.
-  bool next(int64_t& begin, int64_t& end) {
-    begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
-    end = std::min(begin + chunk_, count_);
-    return begin < count_;
-  }
-
- private:
-  const int64_t count_, chunk_;
-  std::atomic<int64_t> next_{0};
-};
-
-}  // namespace
-
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
 // q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
@@ -644,6 +619,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, nogil);
   m.def("write_kv_", &write_kv_, nogil);
   m.def("paged_decode_attention", &paged_decode_attention, nogil);
+  m.def("prefill_attention_supported", &prefill_attention_supported, nogil);
+  m.def("prefill_attention_", &prefill_attention_, nogil);
   m.def("decode_layer", &decode_layer, nogil);
   m.def("amx_available", &amx_available, nogil);
   m.def("quant_linear", &quant_linear, nogil);

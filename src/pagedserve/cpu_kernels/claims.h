@@ -1,0 +1,31 @@
+// Work handed out a chunk at a time to whichever thread asks first (cpu_ops.cpp,
+// prefill_attention.cpp).
+#pragma once
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+
+// at::parallel_for splits its range evenly up front, which suits only items of equal cost.
+class Claims {
+ public:
+  Claims(int64_t count, int64_t chunk) : count_(count), chunk_(chunk) {}
+
+  // Threads worth starting: at most one per chunk.
+  int64_t threads() const {
+    return std::min<int64_t>(at::get_num_threads(), (count_ + chunk_ - 1) / chunk_);
+  }
+
+  // The next chunk [begin, end); false when none is left.
+  bool next(int64_t& begin, int64_t& end) {
+    begin = next_.fetch_add(chunk_, std::memory_order_relaxed);
+    end = std::min(begin + chunk_, count_);
+    return begin < count_;
+  }
+
+ private:
+  const int64_t count_, chunk_;
+  std::atomic<int64_t> next_{0};
+};

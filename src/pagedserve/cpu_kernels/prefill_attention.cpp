@@ -1,0 +1,299 @@
+// Causal attention of prefill chunks that start their sequences, on Intel AMX. A unit is one
+// chunk and KV head, handed out longest chunk first: its keys are transposed once into B tiles
+// and its values interleaved in pairs once, shared by the KV head's query heads. Then for each
+// query head and block of 16 queries: scores Q K^T in tiles of 16 queries x 16 keys (only the
+// blocks its queries see), a softmax per query in float32 whose exponentials are rounded to
+// bfloat16 unnormalised (as flash attention does), P V in tiles of 16 x 16 dims, and each row
+// divided by its sum at the end. On the reference 2-core CPU, 32 chunks of 147 tokens of the
+// default model (9 heads, 3 KV heads, head size 64) take 1.85 ms in one call against 6.6 ms
+// for torch's SDPA chunk by chunk, and a serving wave's prefill 1.04 -> 0.90 s.
+#include "prefill_attention.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+
+#include "amx.h"
+#include "claims.h"
+
+#ifdef PAGEDSERVE_AMX
+namespace {
+
+constexpr int64_t kRows = 16;  // queries per block; keys per score tile
+
+// Per-thread buffers, reused unit after unit.
+struct Scratch {
+  std::vector<uint32_t> keys;    // K^T as B tiles: [16-key block][32-dim step][16][16] pairs
+  std::vector<uint16_t> values;  // V as B tiles: [32-key block][16-dim column][16][32]
+  std::vector<float> scores;     // [16][ld]
+  std::vector<uint16_t> probs;   // [16][ld] bfloat16
+  alignas(64) uint16_t queries[kRows * 128];  // a partial last block, zero-padded
+  alignas(64) float out[kRows * 64];
+};
+
+// exp(x) for x <= 0 (a score minus its row's maximum), inline: 2^n 2^f with n = round(x log2 e),
+// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~2e-7, far below the
+// bfloat16 rounding of probabilities). glibc's vector expf cost ~3x as much, and it hands
+// lanes below about -87 to its scalar path.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.5403530e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Tile (block b, step s), row r, pair lane c = dims 32s + 2r, +1 of key 16b + c; keys past n 0.
+template <int64_t D>
+void pack_keys(const at::BFloat16* k, int64_t stride, int64_t n, uint32_t* out) {
+  constexpr int64_t kSteps = D / 32;
+  std::memset(out, 0, (n + kRows - 1) / kRows * kSteps * 256 * sizeof(uint32_t));
+  for (int64_t key = 0; key < n; ++key) {
+    const auto* pairs = reinterpret_cast<const uint32_t*>(k + key * stride);
+    uint32_t* col = out + key / kRows * kSteps * 256 + key % kRows;
+    for (int64_t s = 0; s < kSteps; ++s) {
+      for (int64_t r = 0; r < 16; ++r) col[s * 256 + r * 16] = pairs[s * 16 + r];
+    }
+  }
+}
+
+// Tile (block b, column t), row r, lane 2c + p = dim 16t + c of key 32b + 2r + p; keys past n 0.
+template <int64_t D>
+void pack_values(const at::BFloat16* v, int64_t stride, int64_t n, uint16_t* out) {
+  constexpr int64_t kCols = D / 16;
+  alignas(64) static const uint16_t zeros[D] = {};
+  __m512i lo_idx, hi_idx;  // interleave two rows' first 16 (lo) or last 16 (hi) of 32 dims
+  {
+    alignas(64) uint16_t lo[32], hi[32];
+    for (int c = 0; c < 16; ++c) {
+      lo[2 * c] = c, lo[2 * c + 1] = 32 + c;
+      hi[2 * c] = 16 + c, hi[2 * c + 1] = 48 + c;
+    }
+    lo_idx = _mm512_load_si512(lo);
+    hi_idx = _mm512_load_si512(hi);
+  }
+  for (int64_t key = 0; key < (n + 31) / 32 * 32; key += 2) {
+    const auto* a = key < n ? reinterpret_cast<const uint16_t*>(v + key * stride) : zeros;
+    const auto* b = key + 1 < n ? reinterpret_cast<const uint16_t*>(v + (key + 1) * stride) : zeros;
+    uint16_t* row = out + (key / 32 * kCols * 16 + key % 32 / 2) * 32;
+    for (int64_t g = 0; g < D / 32; ++g) {
+      const __m512i va = _mm512_loadu_si512(a + 32 * g), vb = _mm512_loadu_si512(b + 32 * g);
+      _mm512_storeu_si512(row + (2 * g) * 512, _mm512_permutex2var_epi16(va, lo_idx, vb));
+      _mm512_storeu_si512(row + (2 * g + 1) * 512, _mm512_permutex2var_epi16(va, hi_idx, vb));
+    }
+  }
+}
+
+// Scores of one block of 16 queries (q: its first row; rows of them real) against keys
+// [0, keys), softmax per query (causal: query i of the block sees keys [0, r0 + i]), written
+// to probs [16][ld] as unnormalised bfloat16 with zeros up to a multiple of 32 keys;
+// inv_sum[i] = 1 / query i's sum.
+template <int64_t D>
+void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t r0,
+                 const uint32_t* key_tiles, float scale, int64_t ld, Scratch& s, uint16_t* probs,
+                 float* inv_sum) {
+  constexpr int64_t kSteps = D / 32;
+  const int64_t keys = r0 + rows;
+  const char* qa = reinterpret_cast<const char*>(q);
+  int64_t q_ld = q_stride * 2;
+  if (rows < kRows) {  // a tile load reads 16 rows: pad a partial block
+    std::memset(s.queries, 0, sizeof s.queries);
+    for (int64_t i = 0; i < rows; ++i) std::memcpy(s.queries + i * D, q + i * q_stride, 2 * D);
+    qa = reinterpret_cast<const char*>(s.queries);
+    q_ld = 2 * D;
+  }
+  // tmm0-3 queries (32 dims each); blocks of keys alternate between tmm4/tmm5 (keys, sums) and
+  // tmm7/tmm6, so that the tile unit does not wait for one block's sums to be stored.
+  _tile_loadd(0, qa, q_ld);
+  _tile_loadd(1, qa + 64, q_ld);
+  if constexpr (kSteps == 4) {
+    _tile_loadd(2, qa + 128, q_ld);
+    _tile_loadd(3, qa + 192, q_ld);
+  }
+  // (A macro: the tile intrinsics take tile numbers as literals.)
+#define PAGEDSERVE_KEY_BLOCK(kb, key, sum)                                \
+  do {                                                                    \
+    const uint32_t* kt = key_tiles + (kb) * kSteps * 256;                 \
+    _tile_zero(sum);                                                      \
+    _tile_loadd(key, kt, 64);                                             \
+    _tile_dpbf16ps(sum, 0, key);                                          \
+    _tile_loadd(key, kt + 256, 64);                                       \
+    _tile_dpbf16ps(sum, 1, key);                                          \
+    if constexpr (kSteps == 4) {                                          \
+      _tile_loadd(key, kt + 512, 64);                                     \
+      _tile_dpbf16ps(sum, 2, key);                                        \
+      _tile_loadd(key, kt + 768, 64);                                     \
+      _tile_dpbf16ps(sum, 3, key);                                        \
+    }                                                                     \
+    _tile_stored(sum, s.scores.data() + (kb) * kRows, ld * sizeof(float)); \
+  } while (0)
+  for (int64_t kb = 0; kb * kRows < keys; kb += 2) {
+    PAGEDSERVE_KEY_BLOCK(kb, 4, 5);
+    if ((kb + 1) * kRows < keys) PAGEDSERVE_KEY_BLOCK(kb + 1, 7, 6);
+  }
+#undef PAGEDSERVE_KEY_BLOCK
+  const int64_t padded = (keys + 31) / 32 * 32;
+  for (int64_t i = 0; i < kRows; ++i) {
+    float* sc = s.scores.data() + i * ld;
+    const int64_t seen = i < rows ? r0 + i + 1 : 0;
+    const auto lanes = [&](int64_t t) {  // the lanes of keys [t, t + 16) the query sees
+      return static_cast<__mmask16>(t + 16 <= seen ? 0xFFFF : (1u << (seen - t)) - 1);
+    };
+    __m512 mx = _mm512_set1_ps(std::numeric_limits<float>::lowest());
+    for (int64_t t = 0; t < seen; t += 16) {
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes(t), sc + t));
+    }
+    mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < padded; t += 16) {
+      __m512 e = _mm512_setzero_ps();
+      if (t < seen) {
+        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mx), scale_v);
+        e = _mm512_maskz_mov_ps(lanes(t), exp_nonpositive(x));
+      }
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(sc + t, e);
+    }
+    inv_sum[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
+    uint16_t* p = probs + i * ld;
+    for (int64_t t = 0; t < padded; t += 32) {
+      _mm512_storeu_si512(p + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + t + 16),
+                                                              _mm512_loadu_ps(sc + t)));
+    }
+  }
+}
+
+// out rows [0, rows) (out: the block's first row) = probs [16][ld] x values, keys [0, keys),
+// each row times inv_sum.
+template <int64_t D>
+void block_values(const uint16_t* probs, int64_t ld, int64_t keys, const uint16_t* value_tiles,
+                  const float* inv_sum, int64_t rows, at::BFloat16* out, int64_t out_stride,
+                  Scratch& s) {
+  constexpr int64_t kCols = D / 16;
+  // 64 dims at a time: tmm0-3 sums (16 dims each), tmm4 probabilities, tmm5 values.
+  for (int64_t half = 0; half < kCols / 4; ++half) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t b = 0; b * 32 < keys; ++b) {
+      const uint16_t* vt = value_tiles + (b * kCols + half * 4) * 512;
+      _tile_loadd(4, probs + b * 32, ld * 2);
+      _tile_loadd(5, vt, 64);
+      _tile_dpbf16ps(0, 4, 5);
+      _tile_loadd(5, vt + 512, 64);
+      _tile_dpbf16ps(1, 4, 5);
+      _tile_loadd(5, vt + 1024, 64);
+      _tile_dpbf16ps(2, 4, 5);
+      _tile_loadd(5, vt + 1536, 64);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+    _tile_stored(0, s.out, 256);
+    _tile_stored(1, s.out + 16, 256);
+    _tile_stored(2, s.out + 32, 256);
+    _tile_stored(3, s.out + 48, 256);
+    for (int64_t i = 0; i < rows; ++i) {
+      auto* dst = reinterpret_cast<__m256i*>(out + i * out_stride + half * 64);
+      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
+      for (int64_t c = 0; c < 4; ++c) {
+        const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(s.out + i * 64 + 16 * c), inv);
+        _mm256_storeu_si256(dst + c, (__m256i)_mm512_cvtneps_pbh(o));
+      }
+    }
+  }
+}
+
+// One unit. q: the chunk's first row at this KV head's first query head; k, v: its first row
+// at the KV head; out as q. Strides in elements between tokens.
+template <int64_t D>
+void chunk_head(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* k, int64_t k_stride,
+                const at::BFloat16* v, int64_t v_stride, at::BFloat16* out, int64_t out_stride,
+                int64_t n, int64_t g, float scale, Scratch& s) {
+  constexpr int64_t kSteps = D / 32, kCols = D / 16;
+  const int64_t ld = (n + 31) / 32 * 32;  // scores and probabilities a row
+  s.keys.resize((n + kRows - 1) / kRows * kSteps * 256);
+  s.values.resize(ld / 32 * kCols * 512);
+  s.scores.resize(kRows * ld);
+  s.probs.resize(kRows * ld);
+  pack_keys<D>(k, k_stride, n, s.keys.data());
+  pack_values<D>(v, v_stride, n, s.values.data());
+  const int64_t blocks = (n + kRows - 1) / kRows;
+  float inv_sum[kRows];
+  for (int64_t idx = 0; idx < g * blocks; ++idx) {  // query heads x blocks of 16 queries
+    const int64_t j = idx / blocks, r0 = idx % blocks * kRows;
+    const int64_t rows = std::min(kRows, n - r0);
+    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, r0, s.keys.data(), scale, ld, s,
+                   s.probs.data(), inv_sum);
+    block_values<D>(s.probs.data(), ld, r0 + rows, s.values.data(), inv_sum, rows,
+                    out + r0 * out_stride + j * D, out_stride, s);
+  }
+}
+
+}  // namespace
+#endif
+
+bool prefill_attention_supported(const at::Tensor& q) {
+#ifdef PAGEDSERVE_AMX
+  return amx_available() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
+         (q.size(2) == 64 || q.size(2) == 128);
+#else
+  return false;
+#endif
+}
+
+void prefill_attention_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                        at::Tensor& out, const std::vector<int64_t>& starts,
+                        const std::vector<int64_t>& lens, double scale) {
+  TORCH_CHECK(prefill_attention_supported(q), "prefill attention: bf16, head size 64 or 128, AMX");
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out}) {
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == q.scalar_type() && t->size(0) == q.size(0) &&
+                    t->size(2) == q.size(2) && t->stride(2) == 1 && t->stride(1) == t->size(2),
+                "prefill attention: [T, heads, D] tensors of one dtype with dense heads");
+  }
+  TORCH_CHECK(out.size(1) == q.size(1) && k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0,
+              "prefill attention: head counts");
+  TORCH_CHECK(starts.size() == lens.size(), "prefill attention: starts and lens differ");
+  for (size_t c = 0; c < starts.size(); ++c) {
+    TORCH_CHECK(starts[c] >= 0 && lens[c] >= 0 && starts[c] + lens[c] <= q.size(0),
+                "prefill attention: chunk ", c, " out of range");
+  }
+#ifdef PAGEDSERVE_AMX
+  const int64_t hq = q.size(1), hk = k.size(1), g = hq / hk, d = q.size(2);
+  const int64_t units = static_cast<int64_t>(starts.size()) * hk;
+  std::vector<int64_t> order(units);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return lens[x / hk] > lens[y / hk]; });
+  const auto* qp = q.data_ptr<at::BFloat16>();
+  const auto* kp = k.data_ptr<at::BFloat16>();
+  const auto* vp = v.data_ptr<at::BFloat16>();
+  auto* op = out.data_ptr<at::BFloat16>();
+  const auto unit = d == 64 ? chunk_head<64> : chunk_head<128>;
+  Claims claims(units, 1);
+  at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
+    _tile_loadconfig(&tile_config());
+    thread_local Scratch scratch;
+    for (int64_t begin, end; claims.next(begin, end);) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
+        unit(qp + row * q.stride(0) + h * g * d, q.stride(0), kp + row * k.stride(0) + h * d,
+             k.stride(0), vp + row * v.stride(0) + h * d, v.stride(0),
+             op + row * out.stride(0) + h * g * d, out.stride(0), lens[c], g,
+             static_cast<float>(scale), scratch);
+      }
+    }
+    _tile_release();
+  });
+#endif
+}
