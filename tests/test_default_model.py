@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import PROMPTS, assert_pool_whole, hf_greedy
-from pagedserve import LLM, SamplingParams
+from pagedserve import LLM, SamplingParams, detokenizer
 
 MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -132,3 +132,16 @@ def test_invalid_requests_raise_clear_errors(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.generate([""], SamplingParams())
     assert_pool_whole(llm.engine)
+
+
+def test_decoder_reads_the_rust_tokenizer_only_where_transformers_would(llm):
+    tok = llm.tokenizer
+    ids = tok.encode("Hello, wörld! 日本 ...") + [tok.eos_token_id]
+    fast = detokenizer.decoder(tok)
+    assert fast.func == tok.backend_tokenizer.decode
+    assert fast(ids) == tok.decode(ids, skip_special_tokens=True)
+    tok.clean_up_tokenization_spaces = True  # transformers would edit the text: keep its decode
+    try:
+        assert detokenizer.decoder(tok).func == tok.decode
+    finally:
+        tok.clean_up_tokenization_spaces = False

@@ -7,12 +7,31 @@ emitted while the window ends inside a character (U+FFFD).
 
 from __future__ import annotations
 
-from transformers import PreTrainedTokenizerBase
+import functools
+from collections.abc import Callable
+
+from transformers import PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from pagedserve.sequence import Sequence
 
+Decode = Callable[[list[int]], str]
+
 # Prompt tokens decoded as context before the first output token.
 _CONTEXT_TOKENS = 5
+
+
+def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
+    """ids -> text, as `tokenizer.decode(ids, skip_special_tokens=True)` gives it: straight from
+    the Rust tokenizer where transformers would only forward the call there (a fast tokenizer
+    without a _decode of its own and without space clean-up). The default model's: 2.7 against
+    8.0 us a call, two calls a token (0.3 ms of a batch-32 step)."""
+    if (
+        isinstance(tokenizer, PreTrainedTokenizerFast)
+        and type(tokenizer)._decode is PreTrainedTokenizerFast._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return functools.partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=True)
+    return functools.partial(tokenizer.decode, skip_special_tokens=True)
 
 
 def start(seq: Sequence) -> None:
@@ -20,12 +39,13 @@ def start(seq: Sequence) -> None:
     seq.read_offset = seq.num_prompt_tokens
 
 
-def append_text(tokenizer: PreTrainedTokenizerBase, seq: Sequence) -> str:
-    """Decode the newest token(s) of `seq`; returns the new text (possibly empty)."""
+def append_text(decode: Decode, seq: Sequence) -> str:
+    """Decode (with `decoder`'s function) the newest token(s) of `seq`; returns the new text
+    (possibly empty)."""
     tokens = seq.token_ids_slice(seq.prefix_offset, seq.num_tokens)
     split = seq.read_offset - seq.prefix_offset
-    before = tokenizer.decode(tokens[:split], skip_special_tokens=True)
-    after = tokenizer.decode(tokens, skip_special_tokens=True)
+    before = decode(tokens[:split])
+    after = decode(tokens)
     if len(after) <= len(before) or after.endswith("\ufffd"):
         return ""
     seq.prefix_offset = seq.read_offset

@@ -163,6 +163,7 @@ class LLMEngine:
         if config.tensor_parallel_size > 1:
             ShardPlan.check(cfg, config.tensor_parallel_size)  # fail before the slow parts
         self.tokenizer = load_tokenizer(self.source)
+        self._decode = detokenizer.decoder(self.tokenizer)
         self.eos_token_ids = sorted(
             set(cfg.eos_token_ids)
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
@@ -342,7 +343,7 @@ class LLMEngine:
         seq.output_token_ids.append(token)
         if logprobs is not None:
             seq.logprobs.append(logprobs)
-        new_text = detokenizer.append_text(self.tokenizer, seq)
+        new_text = detokenizer.append_text(self._decode, seq)
         status = None
         p = seq.params
         if len(seq.output_token_ids) >= p.min_tokens:
