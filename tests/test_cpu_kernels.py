@@ -139,28 +139,37 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
 
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
 def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
-    """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), q/k/v as views of one
-    fused qkv output, against causal SDPA chunk by chunk."""
-    lens = [1, 5, 16, 17, 33, 100, 147]
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    hq, hk, t = NUM_KV_HEADS * group, NUM_KV_HEADS, sum(lens)
-    gen = torch.Generator().manual_seed(group)
-    qkv = torch.randn(t, (hq + 2 * hk) * head_dim, generator=gen).bfloat16()
-    q, k, v = qkv.split([hq * head_dim, hk * head_dim, hk * head_dim], dim=1)
-    q, k, v = (x.view(t, -1, head_dim) for x in (q, k, v))
+    """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), some after cached
+    context, q as a view of one fused qkv output, keys and values from scattered pages; against
+    SDPA over each chunk's gathered keys with a bottom-right causal mask."""
+    lens = [1, 5, 16, 17, 33, 100, 147, 7, 40]
+    contexts = [1, 5, 16, 17, 33, 100, 147, 70, 300]  # the last two after cached context
+    pool = Pool(contexts, 16, head_dim, torch.bfloat16)
+    hq, t = NUM_KV_HEADS * group, sum(lens)
+    qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=torch.bfloat16)
+    q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
     if not ops().prefill_attention_supported(q):
         pytest.skip("needs AMX")
+    tables = pool.block_tables
+    starts = [sum(lens[:i]) for i in range(len(lens))]
     out = torch.full((t, hq, head_dim), float("nan"), dtype=torch.bfloat16)
-    ops().prefill_attention_(q, k, v, out, starts, lens, head_dim**-0.5)
-    for s, n in zip(starts, lens, strict=True):
-        span = slice(s, s + n)
+    ops().prefill_attention_(
+        q, pool.k, pool.v, out, starts, lens, torch.tensor(contexts), tables, head_dim**-0.5
+    )
+    for i, (s, n, c) in enumerate(zip(starts, lens, contexts, strict=True)):
+        keys, values = (
+            cache[tables[i]].flatten(0, 1)[:c].transpose(0, 1)[None] for cache in (pool.k, pool.v)
+        )
+        mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
         want = F.scaled_dot_product_attention(
-            *(x[span].transpose(0, 1)[None] for x in (q, k, v)),
-            is_causal=True,
+            q[s : s + n].transpose(0, 1)[None],
+            keys,
+            values,
+            attn_mask=mask,
             scale=head_dim**-0.5,
             enable_gqa=True,
         )[0].transpose(0, 1)
-        close(out[span], want)
+        close(out[s : s + n], want)
 
 
 @pytest.mark.parametrize("bias", [False, True])

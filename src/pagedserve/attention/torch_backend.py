@@ -1,8 +1,8 @@
 """Paged attention for CPUs: fused C++ decode and prefill, torch SDPA for the rest.
 
 On CPU, new K/V rows are written and decode queries attend straight from the pages by the C++
-kernels of pagedserve.cpu_kernels (no gathered copy, no padding), and so do prefill chunks that
-start their sequences (bfloat16 on CPUs with AMX). Elsewhere (this backend on a
+kernels of pagedserve.cpu_kernels (no gathered copy, no padding), and so do prefill chunks
+(bfloat16 on CPUs with AMX). Elsewhere (this backend on a
 GPU, as a reference) decodes gather their pages for SDPA, grouped by length: padding every one
 to the longest multiplies the bytes gathered (a 900-token sequence among 200-token ones makes
 the step pay ~4x), so a new group starts where padding to the group's longest would waste more
@@ -163,12 +163,15 @@ class TorchAttentionBackend:
             else:
                 out.index_copy_(0, group.rows, od)
         rows = plan.prefill_rows
-        if self.fused and with_new_kv and rows and ops().prefill_attention_supported(q):
-            # Chunks without cached context all at once, by the C++ kernel (AMX, bf16).
-            fresh = [r for r in rows if r.mask is None]
-            starts, lens = [r.start for r in fresh], [r.q_len for r in fresh]
-            ops().prefill_attention_(q[nd:], k[nd:], v[nd:], out[nd:], starts, lens, scale)
-            rows = [r for r in rows if r.mask is not None]
+        if self.fused and rows and ops().prefill_attention_supported(q):
+            # Every chunk at once from the pages (its own K/V written above), by the C++
+            # kernel (AMX, bf16).
+            starts, lens = [r.start for r in rows], [r.q_len for r in rows]
+            ops().prefill_attention_(
+                q[nd:], k_cache, v_cache, out[nd:], starts, lens,
+                meta.prefill_context_lens, meta.prefill_block_tables, scale,
+            )  # fmt: skip
+            return out
         for row in rows:
             span = slice(nd + row.start, nd + row.start + row.q_len)
             qp = q[span].transpose(0, 1)[None]  # [1, H, q_len, d]

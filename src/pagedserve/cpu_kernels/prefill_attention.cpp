@@ -1,12 +1,13 @@
-// Causal attention of prefill chunks that start their sequences, on Intel AMX. A unit is one
-// chunk and KV head, handed out longest chunk first: its keys are transposed once into B tiles
-// and its values interleaved in pairs once, shared by the KV head's query heads. Then for each
-// query head and block of 16 queries: scores Q K^T in tiles of 16 queries x 16 keys (only the
-// blocks its queries see), a softmax per query in float32 whose exponentials are rounded to
-// bfloat16 unnormalised (as flash attention does), P V in tiles of 16 x 16 dims, and each row
-// divided by its sum at the end. On the reference 2-core CPU, 32 chunks of 147 tokens of the
-// default model (9 heads, 3 KV heads, head size 64) take 1.85 ms in one call against 6.6 ms
-// for torch's SDPA chunk by chunk, and a serving wave's prefill 1.04 -> 0.90 s.
+// Causal attention of prefill chunks over their KV pages (cached context and the chunk's own
+// rows), on Intel AMX. A unit is one chunk and KV head, handed out longest context first: its
+// keys are transposed once into B tiles and its values interleaved in pairs once, shared by
+// the KV head's query heads. Then for each query head and block of 16 queries: scores Q K^T in
+// tiles of 16 queries x 16 keys (only the blocks its queries see), a softmax per query in
+// float32 whose exponentials are rounded to bfloat16 unnormalised (as flash attention does),
+// P V in tiles of 16 x 16 dims, and each row divided by its sum at the end. On the reference
+// 2-core CPU, 32 chunks of 147 tokens of the default model (9 heads, 3 KV heads, head size 64)
+// take 1.85 ms in one call against 6.6 ms for torch's SDPA chunk by chunk, and a serving
+// wave's prefill 1.04 -> 0.90 s.
 #include "prefill_attention.h"
 
 #include <ATen/Parallel.h>
@@ -53,13 +54,23 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Token t's row of one KV head in a paged cache [pages, page_size, Hk, D].
+struct PagedRows {
+  const at::BFloat16* cache;  // at the head's first dim
+  const int64_t* pages;
+  int64_t page_size, stride;  // stride: Hk * D
+  const at::BFloat16* at(int64_t t) const {
+    return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
+  }
+};
+
 // Tile (block b, step s), row r, pair lane c = dims 32s + 2r, +1 of key 16b + c; keys past n 0.
 template <int64_t D>
-void pack_keys(const at::BFloat16* k, int64_t stride, int64_t n, uint32_t* out) {
+void pack_keys(const PagedRows& k, int64_t n, uint32_t* out) {
   constexpr int64_t kSteps = D / 32;
   std::memset(out, 0, (n + kRows - 1) / kRows * kSteps * 256 * sizeof(uint32_t));
   for (int64_t key = 0; key < n; ++key) {
-    const auto* pairs = reinterpret_cast<const uint32_t*>(k + key * stride);
+    const auto* pairs = reinterpret_cast<const uint32_t*>(k.at(key));
     uint32_t* col = out + key / kRows * kSteps * 256 + key % kRows;
     for (int64_t s = 0; s < kSteps; ++s) {
       for (int64_t r = 0; r < 16; ++r) col[s * 256 + r * 16] = pairs[s * 16 + r];
@@ -69,7 +80,7 @@ void pack_keys(const at::BFloat16* k, int64_t stride, int64_t n, uint32_t* out) 
 
 // Tile (block b, column t), row r, lane 2c + p = dim 16t + c of key 32b + 2r + p; keys past n 0.
 template <int64_t D>
-void pack_values(const at::BFloat16* v, int64_t stride, int64_t n, uint16_t* out) {
+void pack_values(const PagedRows& v, int64_t n, uint16_t* out) {
   constexpr int64_t kCols = D / 16;
   alignas(64) static const uint16_t zeros[D] = {};
   __m512i lo_idx, hi_idx;  // interleave two rows' first 16 (lo) or last 16 (hi) of 32 dims
@@ -83,8 +94,8 @@ void pack_values(const at::BFloat16* v, int64_t stride, int64_t n, uint16_t* out
     hi_idx = _mm512_load_si512(hi);
   }
   for (int64_t key = 0; key < (n + 31) / 32 * 32; key += 2) {
-    const auto* a = key < n ? reinterpret_cast<const uint16_t*>(v + key * stride) : zeros;
-    const auto* b = key + 1 < n ? reinterpret_cast<const uint16_t*>(v + (key + 1) * stride) : zeros;
+    const auto* a = key < n ? reinterpret_cast<const uint16_t*>(v.at(key)) : zeros;
+    const auto* b = key + 1 < n ? reinterpret_cast<const uint16_t*>(v.at(key + 1)) : zeros;
     uint16_t* row = out + (key / 32 * kCols * 16 + key % 32 / 2) * 32;
     for (int64_t g = 0; g < D / 32; ++g) {
       const __m512i va = _mm512_loadu_si512(a + 32 * g), vb = _mm512_loadu_si512(b + 32 * g);
@@ -94,16 +105,16 @@ void pack_values(const at::BFloat16* v, int64_t stride, int64_t n, uint16_t* out
   }
 }
 
-// Scores of one block of 16 queries (q: its first row; rows of them real) against keys
-// [0, keys), softmax per query (causal: query i of the block sees keys [0, r0 + i]), written
-// to probs [16][ld] as unnormalised bfloat16 with zeros up to a multiple of 32 keys;
-// inv_sum[i] = 1 / query i's sum.
+// Scores of one block of 16 queries (q: its first row; rows of them real; the first at
+// position pos0) against keys [0, pos0 + rows), softmax per query (causal: query i sees keys
+// [0, pos0 + i]), written to probs [16][ld] as unnormalised bfloat16 with zeros up to a
+// multiple of 32 keys; inv_sum[i] = 1 / query i's sum.
 template <int64_t D>
-void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t r0,
+void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t pos0,
                  const uint32_t* key_tiles, float scale, int64_t ld, Scratch& s, uint16_t* probs,
                  float* inv_sum) {
   constexpr int64_t kSteps = D / 32;
-  const int64_t keys = r0 + rows;
+  const int64_t keys = pos0 + rows;
   const char* qa = reinterpret_cast<const char*>(q);
   int64_t q_ld = q_stride * 2;
   if (rows < kRows) {  // a tile load reads 16 rows: pad a partial block
@@ -145,7 +156,7 @@ void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t 
   const int64_t padded = (keys + 31) / 32 * 32;
   for (int64_t i = 0; i < kRows; ++i) {
     float* sc = s.scores.data() + i * ld;
-    const int64_t seen = i < rows ? r0 + i + 1 : 0;
+    const int64_t seen = i < rows ? pos0 + i + 1 : 0;
     const auto lanes = [&](int64_t t) {  // the lanes of keys [t, t + 16) the query sees
       return static_cast<__mmask16>(t + 16 <= seen ? 0xFFFF : (1u << (seen - t)) - 1);
     };
@@ -214,28 +225,29 @@ void block_values(const uint16_t* probs, int64_t ld, int64_t keys, const uint16_
   }
 }
 
-// One unit. q: the chunk's first row at this KV head's first query head; k, v: its first row
-// at the KV head; out as q. Strides in elements between tokens.
+// One unit: the chunk's q_len queries (q: its first row at this KV head's first query head;
+// out likewise) are the last of its n_keys tokens, whose keys and values (this chunk's
+// included) are in the pages. Strides in elements between tokens.
 template <int64_t D>
-void chunk_head(const at::BFloat16* q, int64_t q_stride, const at::BFloat16* k, int64_t k_stride,
-                const at::BFloat16* v, int64_t v_stride, at::BFloat16* out, int64_t out_stride,
-                int64_t n, int64_t g, float scale, Scratch& s) {
+void chunk_head(const at::BFloat16* q, int64_t q_stride, const PagedRows& k, const PagedRows& v,
+                at::BFloat16* out, int64_t out_stride, int64_t q_len, int64_t n_keys, int64_t g,
+                float scale, Scratch& s) {
   constexpr int64_t kSteps = D / 32, kCols = D / 16;
-  const int64_t ld = (n + 31) / 32 * 32;  // scores and probabilities a row
-  s.keys.resize((n + kRows - 1) / kRows * kSteps * 256);
+  const int64_t ld = (n_keys + 31) / 32 * 32;  // scores and probabilities a row
+  s.keys.resize((n_keys + kRows - 1) / kRows * kSteps * 256);
   s.values.resize(ld / 32 * kCols * 512);
   s.scores.resize(kRows * ld);
   s.probs.resize(kRows * ld);
-  pack_keys<D>(k, k_stride, n, s.keys.data());
-  pack_values<D>(v, v_stride, n, s.values.data());
-  const int64_t blocks = (n + kRows - 1) / kRows;
+  pack_keys<D>(k, n_keys, s.keys.data());
+  pack_values<D>(v, n_keys, s.values.data());
+  const int64_t blocks = (q_len + kRows - 1) / kRows, past = n_keys - q_len;
   float inv_sum[kRows];
   for (int64_t idx = 0; idx < g * blocks; ++idx) {  // query heads x blocks of 16 queries
     const int64_t j = idx / blocks, r0 = idx % blocks * kRows;
-    const int64_t rows = std::min(kRows, n - r0);
-    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, r0, s.keys.data(), scale, ld, s,
-                   s.probs.data(), inv_sum);
-    block_values<D>(s.probs.data(), ld, r0 + rows, s.values.data(), inv_sum, rows,
+    const int64_t rows = std::min(kRows, q_len - r0);
+    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, past + r0, s.keys.data(), scale,
+                   ld, s, s.probs.data(), inv_sum);
+    block_values<D>(s.probs.data(), ld, past + r0 + rows, s.values.data(), inv_sum, rows,
                     out + r0 * out_stride + j * D, out_stride, s);
   }
 }
@@ -252,32 +264,48 @@ bool prefill_attention_supported(const at::Tensor& q) {
 #endif
 }
 
-void prefill_attention_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, const std::vector<int64_t>& starts,
-                        const std::vector<int64_t>& lens, double scale) {
+void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, at::Tensor& out,
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                        const at::Tensor& context_lens, const at::Tensor& block_tables,
+                        double scale) {
   TORCH_CHECK(prefill_attention_supported(q), "prefill attention: bf16, head size 64 or 128, AMX");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &k, &v, &out}) {
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out}) {
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == q.scalar_type() && t->size(0) == q.size(0) &&
-                    t->size(2) == q.size(2) && t->stride(2) == 1 && t->stride(1) == t->size(2),
-                "prefill attention: [T, heads, D] tensors of one dtype with dense heads");
+                    t->size(1) == q.size(1) && t->size(2) == q.size(2) && t->stride(2) == 1 &&
+                    t->stride(1) == t->size(2),
+                "prefill attention: q and out [T, Hq, D] of one dtype with dense heads");
   }
-  TORCH_CHECK(out.size(1) == q.size(1) && k.size(1) == v.size(1) && q.size(1) % k.size(1) == 0,
-              "prefill attention: head counts");
-  TORCH_CHECK(starts.size() == lens.size(), "prefill attention: starts and lens differ");
-  for (size_t c = 0; c < starts.size(); ++c) {
-    TORCH_CHECK(starts[c] >= 0 && lens[c] >= 0 && starts[c] + lens[c] <= q.size(0),
+  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache}) {
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == q.scalar_type() &&
+                    t->sizes() == k_cache.sizes() && t->size(3) == q.size(2),
+                "prefill attention: caches [pages, page_size, Hk, D] of q's dtype");
+  }
+  const int64_t chunks = static_cast<int64_t>(starts.size());
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "prefill attention: head counts");
+  TORCH_CHECK(static_cast<int64_t>(lens.size()) == chunks && context_lens.numel() == chunks &&
+                  block_tables.dim() == 2 && block_tables.size(0) == chunks &&
+                  block_tables.is_contiguous() && context_lens.is_contiguous(),
+              "prefill attention: one start, length, context and block table a chunk");
+  const int64_t* contexts = context_lens.data_ptr<int64_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t page = k_cache.size(1), width = block_tables.size(1);
+  for (int64_t c = 0; c < chunks; ++c) {
+    TORCH_CHECK(starts[c] >= 0 && lens[c] >= 0 && starts[c] + lens[c] <= q.size(0) &&
+                    lens[c] <= contexts[c] && contexts[c] <= width * page,
                 "prefill attention: chunk ", c, " out of range");
   }
 #ifdef PAGEDSERVE_AMX
-  const int64_t hq = q.size(1), hk = k.size(1), g = hq / hk, d = q.size(2);
-  const int64_t units = static_cast<int64_t>(starts.size()) * hk;
-  std::vector<int64_t> order(units);
+  const int64_t hq = q.size(1), hk = k_cache.size(2), g = hq / hk, d = q.size(2);
+  const int64_t units = chunks * hk;
+  std::vector<int64_t> order(units);  // longest context first
   std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t x, int64_t y) { return lens[x / hk] > lens[y / hk]; });
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return contexts[x / hk] > contexts[y / hk];
+  });
   const auto* qp = q.data_ptr<at::BFloat16>();
-  const auto* kp = k.data_ptr<at::BFloat16>();
-  const auto* vp = v.data_ptr<at::BFloat16>();
+  const auto* kc = k_cache.data_ptr<at::BFloat16>();
+  const auto* vc = v_cache.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const auto unit = d == 64 ? chunk_head<64> : chunk_head<128>;
   Claims claims(units, 1);
@@ -287,9 +315,10 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k, const at::Tens
     for (int64_t begin, end; claims.next(begin, end);) {
       for (int64_t i = begin; i < end; ++i) {
         const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
-        unit(qp + row * q.stride(0) + h * g * d, q.stride(0), kp + row * k.stride(0) + h * d,
-             k.stride(0), vp + row * v.stride(0) + h * d, v.stride(0),
-             op + row * out.stride(0) + h * g * d, out.stride(0), lens[c], g,
+        const PagedRows k{kc + h * d, tables + c * width, page, hk * d};
+        const PagedRows v{vc + h * d, tables + c * width, page, hk * d};
+        unit(qp + row * q.stride(0) + h * g * d, q.stride(0), k, v,
+             op + row * out.stride(0) + h * g * d, out.stride(0), lens[c], contexts[c], g,
              static_cast<float>(scale), scratch);
       }
     }

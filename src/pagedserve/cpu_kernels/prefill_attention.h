@@ -1,4 +1,4 @@
-// Causal attention of prefill chunks that start their sequences (prefill_attention.cpp).
+// Causal attention of prefill chunks over their pages (prefill_attention.cpp).
 #pragma once
 
 #include <torch/extension.h>
@@ -8,9 +8,13 @@
 // Whether prefill_attention_ serves queries of q's dtype and head size [T, Hq, D] on this CPU.
 bool prefill_attention_supported(const at::Tensor& q);
 
-// out[t] = causal attention of each chunk's queries over its own keys and values, chunk i being
-// rows [starts[i], starts[i] + lens[i]) of q [T, Hq, D], k and v [T, Hk, D] (row-strided views
-// allowed, heads dense) and out [T, Hq, D]; grouped-query heads share their KV head.
-void prefill_attention_(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                        at::Tensor& out, const std::vector<int64_t>& starts,
-                        const std::vector<int64_t>& lens, double scale);
+// out = causal attention of prefill chunks over their pages: chunk i's queries are rows
+// [starts[i], starts[i] + lens[i]) of q [T, Hq, D] (row-strided allowed, heads dense) and the
+// last lens[i] of its context_lens[i] tokens, whose keys and values (its own included) are in
+// k_cache and v_cache [pages, page_size, Hk, D] through block_tables [chunks, max_pages];
+// out [T, Hq, D] likewise. Grouped-query heads share their KV head.
+void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, at::Tensor& out,
+                        const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
+                        const at::Tensor& context_lens, const at::Tensor& block_tables,
+                        double scale);
