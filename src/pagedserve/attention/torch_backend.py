@@ -1,17 +1,18 @@
 """Paged attention for CPUs: fused C++ decode and prefill, torch SDPA for the rest.
 
-On CPU, new K/V rows are written and decode queries attend straight from the pages by the C++
-kernels of pagedserve.cpu_kernels (no gathered copy, no padding), and so do prefill chunks
-(bfloat16 on CPUs with AMX). Elsewhere (this backend on a
+On CPU, new K/V rows are written and queries attend straight from the pages by the C++ kernels
+of pagedserve.cpu_kernels (no gathered copy, no padding): decodes always, prefill chunks in
+bfloat16 on CPUs with AMX (all of a step's chunks in one call). Elsewhere (this backend on a
 GPU, as a reference) decodes gather their pages for SDPA, grouped by length: padding every one
 to the longest multiplies the bytes gathered (a 900-token sequence among 200-token ones makes
 the step pay ~4x), so a new group starts where padding to the group's longest would waste more
 than a group costs. Grouped-query attention never copies K/V per query head: a KV head's query
 heads are laid along the query-length axis, so one SDPA call covers the group.
 
-Each prefill chunk attends on its own: without cached context straight from its new K/V
-(causal, no gather); after cached pages (prefix cache, chunked prefill) over its gathered pages
-with a bottom-right causal mask. The plan is built once per step in `prepare`.
+Where the C++ prefill kernel does not serve, each prefill chunk attends on its own: without
+cached context straight from its new K/V (causal, no gather); after cached pages (prefix
+cache, chunked prefill) over its gathered pages with a bottom-right causal mask. The plan is
+built once per step in `prepare`.
 """
 
 from __future__ import annotations
