@@ -7,6 +7,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <numeric>
+#include <vector>
 
 // at::parallel_for splits its range evenly up front, which suits only items of equal cost.
 class Claims {
@@ -29,3 +31,13 @@ class Claims {
   const int64_t count_, chunk_;
   std::atomic<int64_t> next_{0};
 };
+
+// Units item * per + j (j < per) ordered by their item's length, longest first (stable), for
+// Claims to hand out: the longest work starts first and the short ends fill in.
+inline std::vector<int64_t> longest_first(const int64_t* lens, int64_t items, int64_t per) {
+  std::vector<int64_t> order(items * per);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t x, int64_t y) { return lens[x / per] > lens[y / per]; });
+  return order;
+}

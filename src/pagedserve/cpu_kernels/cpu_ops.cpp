@@ -15,12 +15,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <numeric>
 #include <type_traits>
 #include <tuple>
 #include <vector>
@@ -55,13 +53,20 @@ constexpr int64_t kGrain = 16;
 // Tokens per thread at least in write_kv_ (a decode step's few rows stay on one thread).
 constexpr int64_t kWriteGrain = 128;
 
-// In place: s = exp(s - max(s)); returns the sum (softmax's denominator).
-inline float exp_sum_(float* s, int64_t n) {
+// The largest of x[0, n) as float32.
+template <typename T>
+inline float max_of(const T* x, int64_t n) {
   float mx = std::numeric_limits<float>::lowest();
   // Written as a select: the vectoriser left a std::max reduction scalar (one vmaxss after
-  // another, most of this function's time at context 200).
+  // another, most of exp_sum_'s time at context 200).
 #pragma omp simd reduction(max : mx)
-  for (int64_t t = 0; t < n; ++t) mx = s[t] > mx ? s[t] : mx;
+  for (int64_t t = 0; t < n; ++t) mx = to_f(x[t]) > mx ? to_f(x[t]) : mx;
+  return mx;
+}
+
+// In place: s = exp(s - max(s)); returns the sum (softmax's denominator).
+inline float exp_sum_(float* s, int64_t n) {
+  const float mx = max_of(s, n);
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t t = 0; t < n; ++t) {
@@ -234,9 +239,7 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
       constexpr int64_t kBlock = 256;
       for (int64_t r = begin; r < end; ++r) {
         const scalar_t* row = xp + r * x.stride(0);
-        float mx = std::numeric_limits<float>::lowest();
-#pragma omp simd reduction(max : mx)
-        for (int64_t i = 0; i < n; ++i) mx = to_f(row[i]) > mx ? to_f(row[i]) : mx;
+        const float mx = max_of(row, n);
         // The first block that holds the maximum, then its first position there.
         int64_t at = 0;
         for (int64_t b0 = 0; b0 < n; b0 += kBlock) {
@@ -532,12 +535,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
     // differ a lot (20-900 tokens in the serving benchmark), and an even split of the units
     // made one thread wait for the other ~10% of the kernel's time. A thread takes a whole
     // sequence at a time when there are enough: its heads share the pages' cache lines.
-    const int64_t units = b * hk, claim = b >= 4 * at::get_num_threads() ? hk : 1;
-    std::vector<int64_t> order(units);
-    std::iota(order.begin(), order.end(), 0);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](int64_t x, int64_t y) { return lens[x / hk] > lens[y / hk]; });
-    Claims claims(units, claim);
+    const int64_t claim = b >= 4 * at::get_num_threads() ? hk : 1;
+    const std::vector<int64_t> order = longest_first(lens, b, hk);
+    Claims claims(b * hk, claim);
     at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, acc, scores;
 #ifdef PAGEDSERVE_AMX

@@ -15,7 +15,6 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
-#include <numeric>
 
 #include "amx.h"
 #include "claims.h"
@@ -107,12 +106,11 @@ void pack_values(const PagedRows& v, int64_t n, uint16_t* out) {
 
 // Scores of one block of 16 queries (q: its first row; rows of them real; the first at
 // position pos0) against keys [0, pos0 + rows), softmax per query (causal: query i sees keys
-// [0, pos0 + i]), written to probs [16][ld] as unnormalised bfloat16 with zeros up to a
-// multiple of 32 keys; inv_sum[i] = 1 / query i's sum.
+// [0, pos0 + i]) over s.keys, written to s.probs [16][ld] as unnormalised bfloat16 with zeros
+// up to a multiple of 32 keys; inv_sum[i] = 1 / query i's sum.
 template <int64_t D>
 void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t pos0,
-                 const uint32_t* key_tiles, float scale, int64_t ld, Scratch& s, uint16_t* probs,
-                 float* inv_sum) {
+                 float scale, int64_t ld, Scratch& s, float* inv_sum) {
   constexpr int64_t kSteps = D / 32;
   const int64_t keys = pos0 + rows;
   const char* qa = reinterpret_cast<const char*>(q);
@@ -134,7 +132,7 @@ void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t 
   // (A macro: the tile intrinsics take tile numbers as literals.)
 #define PAGEDSERVE_KEY_BLOCK(kb, key, sum)                                \
   do {                                                                    \
-    const uint32_t* kt = key_tiles + (kb) * kSteps * 256;                 \
+    const uint32_t* kt = s.keys.data() + (kb) * kSteps * 256;             \
     _tile_zero(sum);                                                      \
     _tile_loadd(key, kt, 64);                                             \
     _tile_dpbf16ps(sum, 0, key);                                          \
@@ -177,7 +175,7 @@ void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t 
       _mm512_storeu_ps(sc + t, e);
     }
     inv_sum[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
-    uint16_t* p = probs + i * ld;
+    uint16_t* p = s.probs.data() + i * ld;
     for (int64_t t = 0; t < padded; t += 32) {
       _mm512_storeu_si512(p + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + t + 16),
                                                               _mm512_loadu_ps(sc + t)));
@@ -185,12 +183,11 @@ void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t 
   }
 }
 
-// out rows [0, rows) (out: the block's first row) = probs [16][ld] x values, keys [0, keys),
-// each row times inv_sum.
+// out rows [0, rows) (out: the block's first row) = s.probs [16][ld] x s.values, keys
+// [0, keys), each row times inv_sum.
 template <int64_t D>
-void block_values(const uint16_t* probs, int64_t ld, int64_t keys, const uint16_t* value_tiles,
-                  const float* inv_sum, int64_t rows, at::BFloat16* out, int64_t out_stride,
-                  Scratch& s) {
+void block_values(int64_t ld, int64_t keys, const float* inv_sum, int64_t rows,
+                  at::BFloat16* out, int64_t out_stride, Scratch& s) {
   constexpr int64_t kCols = D / 16;
   // 64 dims at a time: tmm0-3 sums (16 dims each), tmm4 probabilities, tmm5 values.
   for (int64_t half = 0; half < kCols / 4; ++half) {
@@ -199,8 +196,8 @@ void block_values(const uint16_t* probs, int64_t ld, int64_t keys, const uint16_
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t b = 0; b * 32 < keys; ++b) {
-      const uint16_t* vt = value_tiles + (b * kCols + half * 4) * 512;
-      _tile_loadd(4, probs + b * 32, ld * 2);
+      const uint16_t* vt = s.values.data() + (b * kCols + half * 4) * 512;
+      _tile_loadd(4, s.probs.data() + b * 32, ld * 2);
       _tile_loadd(5, vt, 64);
       _tile_dpbf16ps(0, 4, 5);
       _tile_loadd(5, vt + 512, 64);
@@ -245,10 +242,9 @@ void chunk_head(const at::BFloat16* q, int64_t q_stride, const PagedRows& k, con
   for (int64_t idx = 0; idx < g * blocks; ++idx) {  // query heads x blocks of 16 queries
     const int64_t j = idx / blocks, r0 = idx % blocks * kRows;
     const int64_t rows = std::min(kRows, q_len - r0);
-    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, past + r0, s.keys.data(), scale,
-                   ld, s, s.probs.data(), inv_sum);
-    block_values<D>(s.probs.data(), ld, past + r0 + rows, s.values.data(), inv_sum, rows,
-                    out + r0 * out_stride + j * D, out_stride, s);
+    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, past + r0, scale, ld, s, inv_sum);
+    block_values<D>(ld, past + r0 + rows, inv_sum, rows, out + r0 * out_stride + j * D,
+                    out_stride, s);
   }
 }
 
@@ -297,18 +293,13 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
   }
 #ifdef PAGEDSERVE_AMX
   const int64_t hq = q.size(1), hk = k_cache.size(2), g = hq / hk, d = q.size(2);
-  const int64_t units = chunks * hk;
-  std::vector<int64_t> order(units);  // longest context first
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return contexts[x / hk] > contexts[y / hk];
-  });
+  const std::vector<int64_t> order = longest_first(contexts, chunks, hk);
   const auto* qp = q.data_ptr<at::BFloat16>();
   const auto* kc = k_cache.data_ptr<at::BFloat16>();
   const auto* vc = v_cache.data_ptr<at::BFloat16>();
   auto* op = out.data_ptr<at::BFloat16>();
   const auto unit = d == 64 ? chunk_head<64> : chunk_head<128>;
-  Claims claims(units, 1);
+  Claims claims(chunks * hk, 1);
   at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
     _tile_loadconfig(&tile_config());
     thread_local Scratch scratch;
