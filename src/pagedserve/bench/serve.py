@@ -8,8 +8,9 @@ after the first (TPOT) and the gaps between streamed chunks (inter-token latency
 
 One asyncio loop and one aiohttp connection pool (the client of vLLM's benchmark too): on a
 machine whose cores also run the server, the client must cost little CPU, or it lowers what it
-measures. Against httpx, aiohttp cut the client's CPU for a c=32 run of 64 x 128 tokens from
-0.75 to 0.28 s, and pagedserve measured 6-10% more output tokens/s on 2 cores.
+measures. Against httpx, aiohttp cut a minimal client's CPU for a c=32 run of 64 x 128 tokens
+from 0.75 to 0.28 s, and this benchmark measured pagedserve ~4% faster at c=32 on 2 cores
+(alternating runs against one server).
 """
 
 from __future__ import annotations
