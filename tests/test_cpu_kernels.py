@@ -8,11 +8,14 @@ import torch.nn.functional as F
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta
 from pagedserve.attention.torch_backend import TorchAttentionBackend
-from pagedserve.cpu_kernels import HEADERS, build_name, ops
+from pagedserve.cpu_kernels import HEADERS, build_name, isa, ops
 from pagedserve.models import layer_ops
 from pagedserve.models.gguf_file import QuantWeight
 from pagedserve.models.linear import Embedding, Linear
 from pagedserve.models.quant_weight import PackedWeight, packable, packed_kernels_available
+
+# Every kernel test runs at each level this CPU supports (conftest.kernel_level).
+pytestmark = pytest.mark.usefixtures("kernel_level")
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the reference by one rounding step of the output.
@@ -137,22 +140,30 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
     close(got, ref[:9])
 
 
-@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
-def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
+@pytest.mark.parametrize(
+    ("group", "head_dim", "dtype"),
+    [
+        (1, 64, torch.bfloat16),
+        (3, 64, torch.float32),
+        (8, 128, torch.bfloat16),
+        (2, 128, torch.float32),
+        (3, 80, torch.bfloat16),
+    ],
+)
+def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype):
     """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), some after cached
     context, q as a view of one fused qkv output, keys and values from scattered pages; against
     SDPA over each chunk's gathered keys with a bottom-right causal mask."""
     lens = [1, 5, 16, 17, 33, 100, 147, 7, 40]
     contexts = [1, 5, 16, 17, 33, 100, 147, 70, 300]  # the last two after cached context
-    pool = Pool(contexts, 16, head_dim, torch.bfloat16)
+    pool = Pool(contexts, 16, head_dim, dtype)
     hq, t = NUM_KV_HEADS * group, sum(lens)
-    qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=torch.bfloat16)
+    qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype)
     q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
-    if not ops().prefill_attention_supported(q):
-        pytest.skip("needs AMX")
+    assert ops().prefill_attention_supported(q)
     tables = pool.block_tables
     starts = [sum(lens[:i]) for i in range(len(lens))]
-    out = torch.full((t, hq, head_dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((t, hq, head_dim), float("nan"), dtype=dtype)
     ops().prefill_attention_(
         q, pool.k, pool.v, out, starts, lens, torch.tensor(contexts), tables, head_dim**-0.5
     )
@@ -172,6 +183,9 @@ def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
         close(out[s : s + n], want)
 
 
+@pytest.mark.skipif(
+    not isa.cpu_info().has_native_bf16(), reason="oneDNN's bf16 layout is used with native bf16"
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_in_blocked_layout(bias):
     gen = torch.Generator().manual_seed(2)
@@ -190,6 +204,13 @@ def test_linear_in_blocked_layout(bias):
 needs_packed = pytest.mark.skipif(
     not packed_kernels_available(), reason="the packed kernels need AMX (amx_bf16)"
 )
+
+
+@pytest.fixture(autouse=True)
+def _packed_at_amx_only(request, kernel_level):
+    if "bits" in request.fixturenames or "free_the_dense" in request.node.name:
+        if kernel_level != "amx":
+            pytest.skip("the packed kernels are the amx level's")
 
 
 def random_quant(n: int, k: int, bits: int, gen: torch.Generator) -> QuantWeight:
@@ -257,7 +278,8 @@ def test_build_name_follows_the_headers(tmp_path):
     headers = [tmp_path / "a.h", tmp_path / "b.h"]
     headers[0].write_text("#pragma once\n")
     headers[1].write_text("int f();\n")
-    before = build_name(headers)
-    assert build_name(headers) == before
+    before = build_name("generic", headers)
+    assert build_name("generic", headers) == before
+    assert before != build_name("avx2", headers)  # each level is its own build
     headers[1].write_text("int f(int);\n")
-    assert build_name(headers) != before
+    assert build_name("generic", headers) != before

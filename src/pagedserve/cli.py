@@ -194,6 +194,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer", default=None, help="For synthetic prompts (default model's)")
     srv.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument(
+        "--min-tokens",
+        action="store_true",
+        help="Also send min_tokens = max tokens, for servers that ignore ignore_eos (llama.cpp's)",
+    )
     srv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument(
         "--unique-prompts",

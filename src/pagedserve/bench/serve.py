@@ -53,6 +53,7 @@ class BenchConfig:
     tokenizer: str | None = None  # for synthetic prompts; None: the default model's
     stream: bool = True
     ignore_eos: bool = True
+    min_tokens: bool = False  # also send min_tokens = max_tokens (llama.cpp ignores ignore_eos)
     seed: int = 0
     timeout_s: float = 3600.0
     api_key: str | None = None
@@ -193,6 +194,8 @@ def _payload(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extra; servers without it produce varying lengths
+    if cfg.min_tokens:
+        body["min_tokens"] = max_tokens
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     return body
@@ -508,6 +511,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tokenizer=args.tokenizer,
         stream=args.stream,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
         seed=args.seed,
         timeout_s=args.timeout,
         api_key=args.api_key,

@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("cpu_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp")
+    for f in (
+        "cpu_ops.cpp",
+        "quant_linear.cpp",
+        "prefill_attention.cpp",
+        "prefill_attention_amx.cpp",
+    )
 ]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
