@@ -54,6 +54,7 @@ def agreeing_prefix(fast: dict, ref: dict) -> int:
     return len(fast["ids"])
 
 
+@pytest.mark.timeout(1200)  # a level's first use compiles its kernels (~1 minute when idle)
 @pytest.mark.parametrize("level", isa.levels_supported())
 def test_default_model_at_each_level(level, expected):
     result = run_level(level)

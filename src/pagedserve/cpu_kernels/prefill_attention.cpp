@@ -7,7 +7,7 @@
 // The portable unit converts the unit's keys once to float32 in blocks of 16 keys transposed
 // ([block][dim][16]) and its values to float32 rows, both shared by the KV head's query heads.
 // Then for each query head and block of kRows queries: scores as register-blocked outer
-// products (kRows queries x 16 keys, one dim at a time), a softmax per query in float32 over
+// products (kRows queries x 16 keys, one dim at a time, in vec.h's vectors), a softmax per query in float32 over
 // the keys it sees, and P V in blocks of kRows queries x 16 dims.
 #include "prefill_attention.h"
 
@@ -19,11 +19,14 @@
 
 #include "claims.h"
 #include "convert.h"
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t kKeys = 16;  // keys per score block; dims per value block
 constexpr int64_t kRows = 4;   // queries per block: 2 x kRows accumulators of 8 lanes on AVX2
+
+constexpr int64_t kVecs = kKeys / kLanes;  // vectors a block row
 
 struct Scratch {
   std::vector<float> keys;    // [key block][dim][16], zeros past the last key
@@ -35,17 +38,19 @@ struct Scratch {
 inline void block_scores(const float* qf, int64_t d, const float* keys, int64_t blocks,
                          float* scores, int64_t ld) {
   for (int64_t kb = 0; kb < blocks; ++kb) {
-    float acc[kRows][kKeys] = {};
+    VecF acc[kRows][kVecs] = {};
     const float* kt = keys + kb * d * kKeys;
     for (int64_t dim = 0; dim < d; ++dim) {
+      VecF kv[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) kv[c] = load_vec(kt + dim * kKeys + c * kLanes);
       for (int64_t i = 0; i < kRows; ++i) {
-        const float qv = qf[i * d + dim];
-#pragma omp simd
-        for (int64_t l = 0; l < kKeys; ++l) acc[i][l] += qv * kt[dim * kKeys + l];
+        for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += qf[i * d + dim] * kv[c];
       }
     }
     for (int64_t i = 0; i < kRows; ++i) {
-      std::copy_n(acc[i], kKeys, scores + i * ld + kb * kKeys);
+      for (int64_t c = 0; c < kVecs; ++c) {
+        store_vec(scores + i * ld + kb * kKeys + c * kLanes, acc[i][c]);
+      }
     }
   }
 }
@@ -100,19 +105,20 @@ void unit_portable(const PrefillUnit<T>& u, Scratch& s) {
         if (i >= rows) std::fill(row, row + seen_last, 0.f);
       }
       for (int64_t c0 = 0; c0 < d; c0 += kKeys) {
-        float acc[kRows][kKeys] = {};
+        VecF acc[kRows][kVecs] = {};
         for (int64_t t = 0; t < seen_last; ++t) {
-          const float* vt = s.values.data() + t * d + c0;
+          VecF vv[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) vv[c] = load_vec(s.values.data() + t * d + c0 + c * kLanes);
           for (int64_t i = 0; i < kRows; ++i) {
             const float p = s.scores[i * ld + t];
-#pragma omp simd
-            for (int64_t l = 0; l < kKeys; ++l) acc[i][l] += p * vt[l];
+            for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += p * vv[c];
           }
         }
         for (int64_t i = 0; i < rows; ++i) {
           T* o = u.out + (r0 + i) * u.out_stride + j * d + c0;
-#pragma omp simd
-          for (int64_t l = 0; l < kKeys; ++l) o[l] = from_f<T>(acc[i][l] * inv_sum[i]);
+          for (int64_t l = 0; l < kKeys; ++l) {
+            o[l] = from_f<T>(acc[i][l / kLanes][l % kLanes] * inv_sum[i]);
+          }
         }
       }
     }
