@@ -40,7 +40,7 @@ from pathlib import Path
 
 import psutil
 
-from pagedserve.bench.serve import format_table, plot
+from pagedserve.bench.serve_report import format_table, plot
 from pagedserve.cpu_kernels import isa
 from pagedserve.models.loader import default_model_path
 
@@ -404,9 +404,9 @@ def render(data: dict, runs: dict[str, ServerRun], quick: bool) -> str:
         f"- Client: `pagedserve bench serve`, closed loop (each of C workers sends its next "
         f"request when the previous one is answered), {data['max_tokens']} output tokens per "
         "request forced with `ignore_eos`, temperature 0, prompts from "
-        "`benchmarks/prompts.jsonl` shuffled with seed 0, each behind a marker unique to the "
-        "request so that no prefix cache reuses prompts across levels. One warm-up request per "
-        "level is not counted. Commands:",
+        "`src/pagedserve/bench/prompts.jsonl` shuffled with seed 0, each behind a marker unique "
+        "to the request so that no prefix cache reuses prompts across levels. One warm-up "
+        "request per level is not counted. Commands:",
     ]
     for run in runs.values():
         lines += [f"  - `{cmd}`" for cmd in run.bench_commands]

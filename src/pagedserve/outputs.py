@@ -1,4 +1,4 @@
-"""What the engine hands back for each request."""
+"""What the engine hands back: per-step deltas, and the whole outputs built from them."""
 
 from __future__ import annotations
 
@@ -6,6 +6,53 @@ from dataclasses import dataclass, field
 
 # One position's logprobs: token id -> logprob (the sampled token is always present).
 TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class CompletionDelta:
+    """What one completion gained in one step (or in several, merged)."""
+
+    index: int
+    text: str  # new text safe to show (held back while a stop string may still be forming)
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    stop_reason: str | int | None = None  # the stop string or stop token id that fired
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def extend(self, later: CompletionDelta) -> None:
+        """Append a later delta of the same completion."""
+        self.text += later.text
+        self.token_ids += later.token_ids
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs += later.logprobs
+        if later.finish_reason is not None:
+            self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+    num_cached_tokens: int = 0
+
+
+@dataclass
+class RequestDelta:
+    """One step's news for one request: the completions that changed, in index order."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool = False
+    metrics: RequestMetrics | None = None  # set on the last delta of a request
 
 
 @dataclass
@@ -23,16 +70,6 @@ class CompletionOutput:
 
 
 @dataclass
-class RequestMetrics:
-    arrival_time: float
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0
-
-
-@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -41,3 +78,19 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[TokenLogprobs | None] | None = field(default=None)
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            self.prompt_tokens + other.prompt_tokens,
+            self.completion_tokens + other.completion_tokens,
+        )

@@ -1,6 +1,7 @@
 """Next-token choice for every sampling row of a step, as tensor code over the whole batch.
 
-Order per row: penalties -> (greedy argmax) -> temperature -> min-p, top-k, top-p -> draw.
+Order per row: penalties, min_tokens and token constraints (masks) -> (greedy argmax) ->
+temperature -> min-p, top-k, top-p -> draw.
 Seeded rows draw from their own generator, so their tokens do not depend on the rest of the
 batch; the others share one draw over the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature).
@@ -61,6 +62,13 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list
             logits[row, banned] = float("-inf")
 
 
+def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Forbid the tokens each constrained row's constraint does not allow."""
+    for row, s in enumerate(seqs):
+        if s.constraint is not None:
+            logits[row].masked_fill_(~s.constraint.allowed(logits.shape[1]), float("-inf"))
+
+
 def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     top_k = torch.tensor([s.params.top_k for s in seqs])
     top_p = torch.tensor([s.params.top_p for s in seqs])
@@ -108,6 +116,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> Sa
     if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
         logits = logits.to(torch.float32, copy=True)
         _block_stop_tokens(logits, seqs, eos_ids)
+    if any(s.constraint is not None for s in seqs):
+        logits = logits.to(torch.float32, copy=True)
+        _apply_constraints(logits, seqs)
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         tokens = _argmax(logits)

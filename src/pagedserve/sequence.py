@@ -5,10 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -28,6 +28,17 @@ class SequenceStatus(enum.Enum):
         )
 
 
+class TokenConstraint(Protocol):
+    """Limits which tokens a sequence may sample next (the seam for a grammar: structured
+    output). The sampler masks every other token; the engine reports each sampled one."""
+
+    def allowed(self, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bool: the tokens that may come next."""
+        ...
+
+    def advance(self, token_id: int) -> None: ...
+
+
 @dataclass(eq=False)
 class Sequence:
     """One of a request's `n` completions; the unit the scheduler and block manager see."""
@@ -41,26 +52,28 @@ class Sequence:
     arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # How many of prompt + output tokens already have K/V in this sequence's pages.
+    # How many of prompt + output tokens already have K/V in this sequence's pages (written
+    # only by the scheduler).
     num_computed_tokens: int = 0
     # Of those, how many came from the prefix cache at the last admission.
     num_cached_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Of its full pages, how many the block manager has offered to the prefix cache.
+    num_registered_pages: int = 0
     # Chained hashes of this sequence's full pages, in order (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    constraint: TokenConstraint | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finished_time: float | None = None
     stop_reason: str | int | None = None
-    # Incremental detokenizer state.
+    # Incremental detokenizer state, read and written only by detokenizer.py.
     output_text: str = ""
     prefix_offset: int = 0
     read_offset: int = 0
-    emitted_text_len: int = 0
-    emitted_token_len: int = 0
+    emitted_text_len: int = 0  # how much of output_text was handed out
 
     @property
     def num_prompt_tokens(self) -> int:
