@@ -95,3 +95,25 @@ def test_cpu_dtype_auto_is_bfloat16_only_where_native(cpu, monkeypatch, info, ca
         with pytest.raises(ValueError, match="--dtype bfloat16 needs native bfloat16") as err:
             _pick_dtype("bfloat16", cpu_device)
         assert ("capped at avx2" if cap else "has no AVX512_BF16 or AMX-BF16") in str(err.value)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():
+    """torch's builder waits forever on the lock file of a build that was killed."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from pagedserve.cpu_kernels import build_name, ops
+
+    ops()  # built and cached
+    level = isa.kernel_level()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    lock = os.path.join(root, tag, build_name(level), "lock")
+    open(lock, "w").close()
+    code = f"from pagedserve.cpu_kernels import ops_for; print(ops_for({level!r}).kernel_level())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == level, out.stderr[-2000:]
+    assert not os.path.exists(lock)
