@@ -139,10 +139,9 @@ class LLMEngine:
         max_positions = config.max_model_len or cfg.max_context
         keep_quant = (
             config.quantization == "auto"
-            and self.dtype == torch.bfloat16
             and self.device.type == "cpu"
             and self.source.kind == "gguf"
-            and packed_kernels_available()
+            and packed_kernels_available(self.dtype)
         )
         page_size = config.block_size
         spec = LoadSpec(
