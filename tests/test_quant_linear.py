@@ -89,7 +89,7 @@ def test_extreme_codes_and_activations(level, bits, rows):
     n, k = 32, 256
     top = 15 if bits == 4 else -128
     codes = torch.full((n, k), top, dtype=torch.uint8 if bits == 4 else torch.int8)
-    scale = torch.full((n, k // 32), 0.01)
+    scale = torch.full((n, k // 32), 0.01).half().float()  # GGUF's scales are float16
     weight = quant(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
     packed = PackedWeight.pack([weight])
     x = torch.full((rows, k), 3.0)
