@@ -185,6 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="Start each prompt with a marker unique to the run, level and request, so that "
         "prefix caches cannot reuse prompts repeated across levels",
     )
+    srv.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Shared-prefix workload: K synthetic system prompts, request i continuing prompt "
+        "i mod K (interleaved); reports the server's prefix-cache hit rate (default 0: off)",
+    )
+    srv.add_argument(
+        "--prefix-len", type=int, default=512, help="Tokens of each shared system prompt"
+    )
     srv.add_argument("--seed", type=int, default=0, help="Prompt order and arrival times")
     srv.add_argument("--timeout", type=float, default=3600.0, help="Read timeout per request (s)")
     srv.add_argument("--api-key", default=None)
