@@ -8,11 +8,13 @@ One application for the module (Ray's start-up is slow); its last test drains it
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -251,10 +253,15 @@ def test_prefix_affinity_routes_a_prefix_to_one_replica(dp):
 
 
 def test_disconnect_aborts_in_the_replica_and_frees_pages(dp):
-    def aborted() -> float:
-        return metric(dp.url, "pagedserve_request_finished_total", {"finish_reason": "abort"})
+    """Each dropped stream is aborted in the replica that served it, and its pages freed."""
+    replicas = sorted(replicas_in(dp.url))
 
-    before = fresh_metric(dp.url, "pagedserve_request_finished_total", {"finish_reason": "abort"})
+    def aborted(replica: str) -> float:
+        labels = {"finish_reason": "abort", "replica": replica}
+        return metric(dp.url, "pagedserve_request_finished_total", labels)
+
+    time.sleep(2.5)  # the replicas' last pushes
+    before = {r: aborted(r) for r in replicas}
     body = {"model": MODEL, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
 
     async def open_and_drop(i: int) -> str:
@@ -272,9 +279,10 @@ def test_disconnect_aborts_in_the_replica_and_frees_pages(dp):
         raise AssertionError("the stream ended early")
 
     async def main():
-        return await asyncio.gather(*(open_and_drop(i) for i in range(3)))
+        return await asyncio.gather(*(open_and_drop(i) for i in range(4)))
 
-    asyncio.run(main())
+    served = asyncio.run(main())
+    expected = {r: float(served.count(r)) for r in replicas}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         time.sleep(0.5)
@@ -282,10 +290,11 @@ def test_disconnect_aborts_in_the_replica_and_frees_pages(dp):
             metric(dp.url, name)
             for name in ("pagedserve_kv_cache_usage", "pagedserve_num_requests_running")
         )
-        if busy == 0 and aborted() - before == 3:
+        got = {r: aborted(r) - before[r] for r in replicas}
+        if busy == 0 and got == expected:
             break
     else:
-        pytest.fail(f"not aborted and freed: busy={busy} aborted={aborted() - before}")
+        pytest.fail(f"not aborted and freed: busy={busy} aborted={got}, served={expected}")
 
 
 def test_application_limit_answers_429_with_retry_after(dp):
@@ -312,6 +321,56 @@ def test_application_limit_answers_429_with_retry_after(dp):
     assert over.status_code == 429 and over.headers["retry-after"] == "1"
     assert over.json()["error"]["code"] == "rate_limit_exceeded"
     assert metric(dp.url, "pagedserve_app_requests_rejected_total", {"reason": "concurrency"}) >= 1
+
+
+def engine_replica_pids() -> list[int]:
+    """Pids of this machine's engine replica processes (Ray titles them by deployment)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            cmdline = (proc / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if proc.name.isdigit() and b"ServeReplica:pagedserve:PagedserveEngine" in cmdline:
+            pids.append(int(proc.name))
+    return pids
+
+
+def test_replica_killed_under_load(dp):
+    """Streams on a killed replica end with an error event, the others finish, Ray replaces
+    it, and every request after that succeeds."""
+    before = replicas_in(dp.url)
+    pids = engine_replica_pids()
+    assert len(pids) == 2
+    body = {"model": MODEL, "max_tokens": 1500, "temperature": 0, "ignore_eos": True}
+
+    async def stream(h: httpx.AsyncClient, i: int) -> list[str]:
+        json_body = {**body, "prompt": f"{i}: keep going", "stream": True}
+        async with h.stream("POST", f"{dp.url}/v1/completions", json=json_body) as r:
+            assert r.status_code == 200
+            return [line async for line in r.aiter_lines() if line.startswith("data: ")]
+
+    async def main():
+        async with httpx.AsyncClient(timeout=120) as h:
+            tasks = [asyncio.create_task(stream(h, i)) for i in range(4)]
+            await asyncio.sleep(1.5)
+            os.kill(pids[0], signal.SIGKILL)
+            return await asyncio.gather(*tasks)
+
+    ends = [lines[-1] for lines in asyncio.run(main())]
+    assert set(ends) <= {"data: [DONE]"} | {e for e in ends if '"replica_unavailable"' in e}
+    assert "data: [DONE]" in ends and len(set(ends)) == 2, ends
+    deadline = time.monotonic() + 90
+    while replicas_in(dp.url) & before == before or len(replicas_in(dp.url)) < 2:
+        assert time.monotonic() < deadline, "the killed replica was not replaced"
+        time.sleep(1.0)
+    codes = [
+        httpx.post(
+            f"{dp.url}/v1/completions", json={**body, "prompt": p, "max_tokens": 4}
+        ).status_code
+        for p in PROMPTS * 3
+    ]
+    assert codes == [200] * len(codes)
 
 
 def test_too_many_replicas_is_a_clear_error(dp, tiny_model):

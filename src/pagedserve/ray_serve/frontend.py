@@ -54,7 +54,8 @@ class FrontDoor:
         )
         self._rejected = Counter(
             "pagedserve_app_requests_rejected",
-            "Requests the front door refused, by reason (concurrency, draining, unavailable)",
+            "Requests the front door refused or cut short, by reason"
+            " (concurrency, draining, replica_failed)",
             ["reason"],
             registry=r,
         )
@@ -86,44 +87,53 @@ class FrontDoor:
         if path == "/metrics" and method == "GET":
             await self._send_metrics(send)
             return
+        generation = method == "POST" and path in GENERATION_PATHS
         try:
-            if self._draining:
-                self._rejected.labels("draining").inc()
-                raise APIError(503, "the server is shutting down", code="shutting_down")
-            generation = method == "POST" and path in GENERATION_PATHS
-            if generation and self._in_flight >= self._spec.max_concurrent_requests:
-                self._rejected.labels("concurrency").inc()
-                raise APIError(
-                    429,
-                    f"too many requests in flight (limit {self._spec.max_concurrent_requests}); "
-                    "retry later",
-                    code="rate_limit_exceeded",
-                    headers={"Retry-After": "1"},
-                )
-            body = await self._read_body(receive)
+            self._admit(generation)
         except APIError as e:
             await e.response()(scope, receive, send)
             return
-        if body is None:
-            return  # the client left before sending its whole request
-        request = RelayedRequest(
-            method=method,
-            path=path,
-            query_string=scope.get("query_string", b""),
-            headers=list(scope.get("headers", [])),
-            body=body,
-            client=scope.get("client"),
-            routing_key=routing_key(path, body),
-        )
-        if generation:
-            self._in_flight += 1
-            self._in_flight_gauge.inc()
         try:
+            try:
+                body = await self._read_body(receive)
+            except APIError as e:
+                await e.response()(scope, receive, send)
+                return
+            if body is None:
+                return  # the client left before sending its whole request
+            request = RelayedRequest(
+                method=method,
+                path=path,
+                query_string=scope.get("query_string", b""),
+                headers=list(scope.get("headers", [])),
+                body=body,
+                client=scope.get("client"),
+                routing_key=routing_key(path, body),
+            )
             await self._relay(request, scope, receive, send)
         finally:
             if generation:
                 self._in_flight -= 1
                 self._in_flight_gauge.dec()
+
+    def _admit(self, generation: bool) -> None:
+        """Refuse while draining (503) or at the application's limit (429); else count it."""
+        if self._draining:
+            self._rejected.labels("draining").inc()
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if not generation:
+            return
+        if self._in_flight >= self._spec.max_concurrent_requests:
+            self._rejected.labels("concurrency").inc()
+            raise APIError(
+                429,
+                f"too many requests in flight (limit {self._spec.max_concurrent_requests}); "
+                "retry later",
+                code="rate_limit_exceeded",
+                headers={"Retry-After": "1"},
+            )
+        self._in_flight += 1
+        self._in_flight_gauge.inc()
 
     async def _read_body(self, receive: Receive) -> bytes | None:
         limit = self._spec.max_request_body_bytes
@@ -158,7 +168,7 @@ class FrontDoor:
                     await send(message)
         except Exception as e:  # noqa: BLE001 - a replica died or was cut off mid-request
             logger.warning("request to %s failed in its replica: %s", request.path, e)
-            self._rejected.labels("unavailable").inc()
+            self._rejected.labels("replica_failed").inc()
             error = APIError(
                 503,
                 f"the replica serving this request failed: {type(e).__name__}",
