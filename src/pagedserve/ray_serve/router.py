@@ -14,8 +14,9 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from pagedserve.ray_serve.prefix_index import PrefixIndex, block_hashes
 from pagedserve.ray_serve.relay import RelayedRequest
 
-# Requests in flight by which the busiest replica may lead the idlest before affinity yields.
-DEFAULT_IMBALANCED_THRESHOLD = 8
+# Requests in flight by which the busiest replica may lead the idlest before affinity yields:
+# small, since on a replica of a core or two a few extra sequences already slow every step.
+DEFAULT_IMBALANCED_THRESHOLD = 4
 
 
 def _routing_key(pending: PendingRequest | None) -> str:
@@ -55,6 +56,9 @@ class PrefixAffinityRouter(RequestRouter):
         matched = self._index.matched_blocks(hashes, loads)
         best = max(matched.values())
         if best == 0:
+            # Claim the new prefix for the replica ranked first at once: requests routed in the
+            # same instant (a burst) then see it, and the next new prefix goes elsewhere.
+            self._index.insert(hashes, by_load[0].replica_id.unique_id)
             return [[r] for r in by_load]
         first = [r for r in by_load if matched[r.replica_id.unique_id] == best][:1]
         return [first, [r for r in by_load if r not in first]]
