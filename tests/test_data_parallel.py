@@ -99,8 +99,15 @@ def single(servers) -> ServerProcess:
     return servers["single"].wait_ready()
 
 
+# A replica builds the CPU kernels on its first request where they are not cached yet
+# (minutes on a busy 2-core machine).
+FIRST_REQUEST_TIMEOUT = 300
+
+
 def client_of(server: ServerProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=60)
+    return openai.OpenAI(
+        base_url=f"{server.url}/v1", api_key="-", max_retries=0, timeout=FIRST_REQUEST_TIMEOUT
+    )
 
 
 def fresh_metric(url: str, name: str, labels: dict[str, str]) -> float:
@@ -122,7 +129,7 @@ def replicas_in(url: str, expected: int = 2) -> set[str]:
 
 def completion(url: str, prompt: str, max_tokens: int = 4, **kw) -> httpx.Response:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **kw}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    r = httpx.post(f"{url}/v1/completions", json=body, timeout=FIRST_REQUEST_TIMEOUT)
     assert r.status_code == 200, r.text
     return r
 
