@@ -28,6 +28,8 @@ from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.sequence import Sequence, SequenceStatus
+from pagedserve.structured.compiler import GrammarCompiler
+from pagedserve.structured.masks import MaskFiller
 
 if TYPE_CHECKING:
     from pagedserve.distributed.executor import TensorParallelExecutor
@@ -208,6 +210,9 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
+        vocab = cfg.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
+        self.masks = MaskFiller(vocab)
         self._next_seq_id = 0
         torch.manual_seed(config.seed)
         logger.info(
@@ -229,6 +234,8 @@ class LLMEngine:
         stop = getattr(self.runner, "shutdown", None)
         if stop is not None:
             stop()
+        self.grammars.shutdown()
+        self.masks.shutdown()
 
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died), else None."""
@@ -280,6 +287,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        # The server compiled it already (off this loop); the offline API compiles it here.
+        grammar = self.grammars.compile(params.structured) if params.structured else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -295,6 +304,8 @@ class LLMEngine:
             self._next_seq_id += 1
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + i)
+            if grammar is not None:
+                seq.grammar = grammar if i == 0 else grammar.deep_copy()
             detokenizer.start(seq)
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -324,15 +335,22 @@ class LLMEngine:
             max(0, min(s.seq.num_prompt_tokens - s.seq.num_computed_tokens, s.num_new_tokens))
             for s in batch
         )
+        seqs = [batch[i].seq for i in sample_rows]
+        masks = self.masks.start(seqs)  # filled while the forward pass runs
         logits = self.runner.execute(batch, sample_rows)
         self.scheduler.after_step(out)
-        seqs = [batch[i].seq for i in sample_rows]
-        result = sample(logits, seqs, self.eos_token_ids)
+        result = sample(logits, seqs, self.eos_token_ids, masks.result() if masks else None)
 
         now = time.monotonic()
         touched: dict[str, RequestState] = {}
-        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            self._append_token(seq, token, logprobs, now)
+        dead = set(result.dead_rows)
+        for row, (seq, token, logprobs) in enumerate(
+            zip(seqs, result.token_ids, result.logprobs, strict=True)
+        ):
+            if row in dead:
+                self._finish(seq, SequenceStatus.FINISHED_GRAMMAR)
+            else:
+                self._append_token(seq, token, logprobs, now)
             touched[seq.request_id] = self.requests[seq.request_id]
         self.counters.generation_tokens += len(seqs)
         return [self._make_output(state) for state in touched.values()]
@@ -346,20 +364,28 @@ class LLMEngine:
         new_text = detokenizer.append_text(self._decode, seq)
         status = None
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        # The mask allowed the token, so the matcher takes it unless the grammar is broken.
+        if seq.grammar is not None and not seq.grammar.consume_token(token):
+            status = SequenceStatus.FINISHED_GRAMMAR
+        elif len(seq.output_token_ids) >= p.min_tokens:
             if token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             elif token in self.eos_token_ids and not p.ignore_eos:
                 status = SequenceStatus.FINISHED_STOPPED
             elif (stop := detokenizer.find_stop(seq, len(new_text))) is not None:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            elif seq.grammar is not None and seq.grammar.is_stopped():
+                status = SequenceStatus.FINISHED_STOPPED  # complete: only EOS could follow
         if status is None and (
             len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
-            self.scheduler.finish(seq, status)
-            self._count_finish(status.value, 1)
+            self._finish(seq, status)
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+        self.scheduler.finish(seq, status)
+        self._count_finish(status.value, 1)
 
     def _count_finish(self, reason: str, n: int) -> None:
         by_reason = self.counters.finished_by_reason

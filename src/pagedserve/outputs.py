@@ -13,7 +13,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    finish_reason: str | None = None  # 'stop' | 'length' | 'abort' | 'grammar_dead_end'
     stop_reason: str | int | None = None  # the stop string or stop token id that fired
     logprobs: list[TokenLogprobs] | None = None
 

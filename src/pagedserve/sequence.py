@@ -5,11 +5,15 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class SequenceStatus(enum.Enum):
@@ -18,6 +22,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The grammar left no token to sample (e.g. it is complete but min_tokens forbids EOS).
+    FINISHED_GRAMMAR = "grammar_dead_end"
 
     @property
     def finished(self) -> bool:
@@ -25,6 +31,7 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_STOPPED,
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_GRAMMAR,
         )
 
 
@@ -49,6 +56,9 @@ class Sequence:
     # Chained hashes of this sequence's full pages, in order (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # The grammar matcher of a constrained request, advanced by every output token. It lives
+    # on the sequence, so preemption by recompute (which keeps the output tokens) keeps it.
+    grammar: LLMatcher | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
