@@ -31,6 +31,7 @@ from pagedserve.async_engine import EngineStepError
 from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
+from pagedserve.server.constraints import Check, compile_checks
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.serving import OpenAIServing, Prompt, Slot
 from pagedserve.v1 import generation_pb2 as pb
@@ -64,6 +65,7 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "grammar_dead_end": pb.FINISH_REASON_GRAMMAR_DEAD_END,
 }
 # GenerateRequest fields with presence, passed on to CompletionRequest only when set (so that
 # unset ones take the HTTP API's defaults).
@@ -98,6 +100,7 @@ class _Job:
     params: SamplingParams
     arrival: float
     slot: Slot
+    grammars: list[Check]  # compiled before the request reaches the engine
 
 
 @dataclass
@@ -179,6 +182,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             fields["stop"] = list(m.stop)
         if m.stop_token_ids:
             fields["stop_token_ids"] = list(m.stop_token_ids)
+        if m.HasField("structured_outputs"):
+            so = m.structured_outputs
+            given = {k: getattr(so, k) for k in ("json", "regex", "grammar") if so.HasField(k)}
+            if so.choice:
+                given["choice"] = list(so.choice)
+            fields["structured_outputs"] = given
         try:
             return P.CompletionRequest.model_validate(fields)
         except ValidationError as e:
@@ -193,18 +202,19 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             raise APIError(409, f"request_id {rid!r} is already in flight", param="request_id")
         slot = self.state.admit(PROTOCOL)
         try:
-            (prompt,), params = serving.prepare_completion(self._completion_request(m))
+            (prompt,), params, plan = serving.prepare_completion(self._completion_request(m))
         except BaseException:
             slot.release()
             raise
         self._active.add(rid)
-        return _Job(rid, prompt, params, arrival, slot)
+        return _Job(rid, prompt, params, arrival, slot, plan.checks)
 
     def _finish(self, job: _Job) -> None:
         self._active.discard(job.request_id)
         job.slot.release()
 
     async def _outputs(self, serving: OpenAIServing, job: _Job) -> AsyncIterator[RequestOutput]:
+        await compile_checks(serving.engine.grammars, job.grammars)
         gen = serving._generate([job.prompt], job.params, job.request_id, job.arrival, PROTOCOL)
         try:
             async for _, out in gen:

@@ -24,8 +24,12 @@ from pagedserve.async_engine import AsyncEngine, EngineStepError, aborted_output
 from pagedserve.outputs import RequestOutput, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
+from pagedserve.server.constraints import OutputPlan, chat_plan, compile_checks, completion_plan
 from pagedserve.server.errors import APIError, bad_request, param_from_value_error
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.server.tool_output import ToolCallRenderer, response_message
+from pagedserve.structured.spec import StructuredSpec
+from pagedserve.tools import prompt as tool_prompt
 
 PROTOCOL = "http"
 _LOGPROB_FLOOR = -9999.0
@@ -166,7 +170,12 @@ class OpenAIServing:
             )
 
     def _sampling_params(
-        self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None, rename
+        self,
+        req: P._SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        rename,
+        structured: StructuredSpec | None,
     ) -> SamplingParams:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
@@ -197,6 +206,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured=structured,
             )
         except ValueError as e:
             raise bad_request(str(e), param_from_value_error(e, rename)) from None
@@ -216,7 +226,12 @@ class OpenAIServing:
             raise bad_request(str(e), param) from None
         return Prompt(ids, text)
 
-    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True):
+    def chat_prompt(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ):
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         conversation = []
@@ -224,10 +239,16 @@ class OpenAIServing:
             msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             conversation.append(msg)
+        renders_tools = tool_prompt.template_renders_tools(self.tokenizer.chat_template)
+        conversation, extra = tool_prompt.for_template(conversation, tools, renders_tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         except (jinja2.TemplateError, ValueError) as e:
             raise bad_request(
@@ -246,7 +267,8 @@ class OpenAIServing:
                 "echo together with logprobs is not supported (prompt logprobs are not computed)",
                 "logprobs",
             )
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, None)
+        plan = completion_plan(req)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, None, plan.spec)
         raw = req.prompt
         if isinstance(raw, list) and raw and not isinstance(raw[0], int):
             items: list[str | list[int]] = list(raw)
@@ -260,12 +282,12 @@ class OpenAIServing:
             p = self._tokenize(item, pname)
             self._check_prompt(p, params, "max_tokens", pname)
             prompts.append(p)
-        return prompts, params
+        return prompts, params, plan
 
-    def prepare_chat(self, req: P.ChatCompletionRequest) -> tuple[Prompt, SamplingParams]:
+    def prepare_chat(
+        self, req: P.ChatCompletionRequest
+    ) -> tuple[Prompt, SamplingParams, OutputPlan]:
         self.check_model(req.model)
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise bad_request("tools are not supported", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         max_param = (
@@ -276,10 +298,11 @@ class OpenAIServing:
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rename = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = self._sampling_params(req, max_tokens, logprobs, rename)
-        prompt = self.chat_prompt(req.messages)
+        plan = chat_plan(req)
+        params = self._sampling_params(req, max_tokens, logprobs, rename, plan.spec)
+        prompt = self.chat_prompt(req.messages, tools=plan.tools)
         self._check_prompt(prompt, params, max_param, "messages")
-        return prompt, params
+        return prompt, params, plan
 
     # ---- generation ----------------------------------------------------------------------
     async def _generate_one(
@@ -412,7 +435,8 @@ class OpenAIServing:
     async def completions(
         self, req: P.CompletionRequest, request: Request, slot: Slot, arrival: float
     ) -> Response:
-        prompts, params = self.prepare_completion(req)
+        prompts, params, plan = self.prepare_completion(req)
+        await compile_checks(self.engine.grammars, plan.checks)
         if req.echo:
             for p in prompts:
                 if p.text is None:
@@ -531,12 +555,15 @@ class OpenAIServing:
     async def chat(
         self, req: P.ChatCompletionRequest, request: Request, slot: Slot, arrival: float
     ) -> Response:
-        prompt, params = self.prepare_chat(req)
+        prompt, params, plan = self.prepare_chat(req)
+        await compile_checks(self.engine.grammars, plan.checks)
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         top_n = req.top_logprobs or 0
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._chat_stream(prompt, params, rid, arrival, top_n, include_usage)
+            stream = self._chat_stream(
+                prompt, params, rid, arrival, top_n, include_usage, plan.parse_tools
+            )
             return SlotStreamingResponse(stream, slot)
         try:
             (out,) = await _unless_disconnected(
@@ -549,12 +576,13 @@ class OpenAIServing:
             logprobs = None
             if params.logprobs is not None:
                 logprobs = self.chat_logprobs(o.token_ids, o.logprobs or [], top_n)
+            message, finish_reason = response_message(o, plan.parse_tools)
             choices.append(
                 P.ChatChoice(
                     index=o.index,
-                    message=P.ChatResponseMessage(content=o.text),
+                    message=message,
                     logprobs=logprobs,
-                    finish_reason=o.finish_reason,
+                    finish_reason=finish_reason,
                     stop_reason=o.stop_reason,
                 )
             )
@@ -572,7 +600,14 @@ class OpenAIServing:
         return Response(body.model_dump_json(), media_type="application/json")
 
     async def _chat_stream(
-        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, top_n: int, usage
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        rid: str,
+        arrival: float,
+        top_n: int,
+        usage,
+        parse_tools: bool,
     ) -> AsyncIterator[str]:
         created = int(time.time())
 
@@ -591,6 +626,7 @@ class OpenAIServing:
         sent_text = [0] * params.n
         sent_tokens = [0] * params.n
         done = [False] * params.n
+        tool_calls = [ToolCallRenderer() if parse_tools else None for _ in range(params.n)]
         completion_tokens = 0
         try:
             yield chunk(
@@ -616,12 +652,15 @@ class OpenAIServing:
                     if o.finish_reason:
                         done[i] = True
                         completion_tokens += len(o.token_ids)
+                    message, finish_reason = P.DeltaMessage(content=delta), o.finish_reason
+                    if tool_calls[i] is not None:
+                        message, finish_reason = tool_calls[i].delta(o)
                     choices.append(
                         P.ChatStreamChoice(
                             index=i,
-                            delta=P.DeltaMessage(content=delta),
+                            delta=message,
                             logprobs=logprobs,
-                            finish_reason=o.finish_reason,
+                            finish_reason=finish_reason,
                             stop_reason=o.stop_reason,
                         )
                     )
