@@ -18,6 +18,7 @@ from pagedserve import detokenizer
 from pagedserve.attention import get_backend
 from pagedserve.block_manager import BlockManager
 from pagedserve.config import EngineConfig
+from pagedserve.cpu_kernels import isa
 from pagedserve.distributed.sharding import ShardPlan
 from pagedserve.model_runner import ModelRunner, kv_bytes_per_page
 from pagedserve.models.config import ModelConfig
@@ -41,8 +42,6 @@ logger = logging.getLogger(__name__)
 # becomes resident. 512 MiB (23,296 tokens of the default model: 64 sequences of ~360 tokens)
 # keeps the default model's server under 1.5 GB resident.
 CPU_DEFAULT_KV_BYTES = 512 << 20
-# Measured on this project's reference CPU (AVX-512 with bf16): see README "dtype on CPU".
-CPU_DEFAULT_DTYPE = torch.bfloat16
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -148,8 +147,25 @@ def _profile_peak_activation_bytes(
 
 
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """auto: bfloat16 on CUDA, and on a CPU whose kernel level computes it natively (see README
+    "dtype on CPU"), float32 on other CPUs. An explicit bfloat16 that this CPU would only emulate
+    is refused here, before anything loads (oneDNN's bf16 layouts refuse it mid-load)."""
+    if device.type != "cpu":
+        return torch.bfloat16 if name == "auto" else DTYPES[name]
+    logger.info("CPU: %s", isa.describe())
+    native = isa.native_bf16()
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else CPU_DEFAULT_DTYPE
+        return torch.bfloat16 if native else torch.float32
+    if name == "bfloat16" and not native:
+        cpu = isa.cpu_info()
+        why = (
+            f"the CPU kernel level is capped at {isa.kernel_level()} (${isa.CAP_ENV})"
+            if cpu.has_native_bf16()
+            else f"this CPU ({cpu.model}) has no AVX512_BF16 or AMX-BF16"
+        )
+        raise ValueError(
+            f"--dtype bfloat16 needs native bfloat16 on CPU, but {why}: use --dtype auto or float32"
+        )
     return DTYPES[name]
 
 

@@ -4,10 +4,7 @@
 
 #include <cstdint>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
-#define PAGEDSERVE_AMX 1
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 // Whether this CPU and kernel let us use AMX tiles (requests them from Linux once).
 bool amx_available();

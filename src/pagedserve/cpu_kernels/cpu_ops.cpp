@@ -629,6 +629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("prefill_attention_", &prefill_attention_, nogil);
   m.def("decode_layer", &decode_layer, nogil);
   m.def("amx_available", &amx_available, nogil);
+  m.def("kernel_level", [] { return std::string(kernel_level_name()); });
   m.def("quant_linear", &quant_linear, nogil);
   m.def("quant_rows", &quant_rows, nogil);
 }

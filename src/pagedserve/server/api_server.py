@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedserve import __version__
 from pagedserve.async_engine import AsyncEngine
 from pagedserve.config import EngineConfig
+from pagedserve.cpu_kernels import isa
 from pagedserve.engine import LLMEngine
 from pagedserve.models.loader import use_one_malloc_arena
 from pagedserve.server import protocol as P
@@ -304,7 +305,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        return JSONResponse({"version": __version__})
+        on_cpu = state.async_engine.engine.device.type == "cpu"
+        level = isa.kernel_level() if on_cpu else None
+        return JSONResponse({"version": __version__, "cpu_kernel_level": level})
 
     @app.get("/metrics")
     async def metrics() -> Response:
