@@ -154,6 +154,16 @@ def test_prompts_are_unique_per_request_and_level_unless_disabled():
     assert [b["prompt"] for b in fake.bodies] == PROMPTS * 2
 
 
+def test_structured_requests_carry_a_schema_each():
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1, 2], structured=True, warmup=False)
+    schemas = [json.dumps(b["structured_outputs"]["json"]) for b in fake.bodies]
+    assert len(set(schemas)) == len(fake.bodies) == 2 * 6
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1], warmup=False)
+    assert not any("structured_outputs" in b for b in fake.bodies)
+
+
 def test_non_streaming_ttft_is_latency():
     fake = FakeServer(tokens=4, gap_s=0.01)
     _, [lv] = run_fake(fake, concurrency=[2], stream=False)

@@ -202,6 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Start each prompt with a marker unique to the run, level and request, so that "
         "prefix caches cannot reuse prompts repeated across levels",
     )
+    srv.add_argument(
+        "--structured",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Constrain each request to a JSON schema of its own (structured_outputs.json)",
+    )
     srv.add_argument("--seed", type=int, default=0, help="Prompt order and arrival times")
     srv.add_argument("--timeout", type=float, default=3600.0, help="Read timeout per request (s)")
     srv.add_argument("--api-key", default=None)

@@ -5,6 +5,8 @@ workers, each sending the next prompt as soon as its previous one finished) or, 
 --request-rate, an open loop of Poisson arrivals capped at that many requests in flight. Requests
 stream (SSE) so that every token can be timed: time to first token (TTFT), time per output token
 after the first (TPOT) and the gaps between streamed chunks (inter-token latency, ITL).
+With --structured every request is constrained to a JSON schema of its own (vLLM's
+structured_outputs), to compare constrained decoding with the same prompts unconstrained.
 
 One asyncio loop and one aiohttp connection pool (the client of vLLM's benchmark too): on a
 machine whose cores also run the server, the client must cost little CPU, or it lowers what it
@@ -58,6 +60,7 @@ class BenchConfig:
     api_key: str | None = None
     warmup: bool = True
     unique_prompts: bool = True
+    structured: bool = False
 
 
 @dataclass
@@ -183,6 +186,21 @@ def tag_prompt(prompt: str, tag: str, cfg: BenchConfig) -> str:
 
 
 # ---- one request ----------------------------------------------------------------------------
+def request_schema(i: int) -> dict[str, Any]:
+    """Request i's JSON schema: distinct per request (each is compiled once), and open-ended
+    (an array of notes), so that constrained outputs run to max_tokens like unconstrained ones."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"const": i},
+            "topic": {"type": "string", "maxLength": 40},
+            "notes": {"type": "array", "items": {"type": "string"}},
+        },
+        "required": ["id", "topic", "notes"],
+        "additionalProperties": False,
+    }
+
+
 def _payload(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -397,6 +415,10 @@ async def run_benchmark(
                 _payload(cfg, model, tag_prompt(p, f"{nonce}-{level}-{i}", cfg), cfg.max_tokens)
                 for i, p in enumerate(prompts)
             ]
+            if cfg.structured:
+                for i, body in enumerate(bodies):
+                    schema = request_schema(level * len(bodies) + i)
+                    body["structured_outputs"] = {"json": schema}
             with tqdm(
                 total=len(bodies),
                 desc=f"concurrency {c}",
@@ -513,6 +535,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key,
         warmup=args.warmup,
         unique_prompts=args.unique_prompts,
+        structured=args.structured,
     )
 
 
