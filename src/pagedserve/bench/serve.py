@@ -187,14 +187,14 @@ def tag_prompt(prompt: str, tag: str, cfg: BenchConfig) -> str:
 
 # ---- one request ----------------------------------------------------------------------------
 def request_schema(i: int) -> dict[str, Any]:
-    """Request i's JSON schema: distinct per request (each is compiled once), and open-ended
-    (an array of notes), so that constrained outputs run to max_tokens like unconstrained ones."""
+    """Request i's JSON schema: distinct per request (each is compiled once), and long (64
+    notes at least), so that constrained outputs run to max_tokens like unconstrained ones."""
     return {
         "type": "object",
         "properties": {
             "id": {"const": i},
             "topic": {"type": "string", "maxLength": 40},
-            "notes": {"type": "array", "items": {"type": "string"}},
+            "notes": {"type": "array", "items": {"type": "string"}, "minItems": 64},
         },
         "required": ["id", "topic", "notes"],
         "additionalProperties": False,
