@@ -39,8 +39,9 @@ bench-offline: $(STAMP)
 clean:
 	rm -rf $(VENV)
 
-# Serving benchmark: pagedserve against a naive transformers + Flask server, one at a time;
-# regenerates benchmarks/RESULTS.md, results.json and throughput.png (20-30 minutes on 2 cores).
+# Serving benchmark: pagedserve at each CPU kernel level, llama.cpp's server and a naive
+# transformers + Flask server, one at a time; regenerates benchmarks/RESULTS.md, results.json
+# and throughput.png (30-40 minutes on 2 cores; the first run also compiles llama.cpp, ~8).
 .PHONY: bench
 bench: $(STAMP)
 	$(PIP) install -q -e '.[test,bench]'

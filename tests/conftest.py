@@ -7,6 +7,8 @@ import os
 import pytest
 import torch
 
+from pagedserve import cpu_kernels
+from pagedserve.cpu_kernels import isa
 from pagedserve.models.loader import default_model_path
 
 # Two cores: keep torch from oversubscribing when tests run beside a server subprocess.
@@ -22,6 +24,14 @@ PROMPTS = [
     "Write a haiku about the sea:",
     "In 1492, Columbus",
 ]
+
+
+@pytest.fixture(params=isa.levels_supported())
+def kernel_level(request, monkeypatch) -> str:
+    """Each CPU kernel level this machine runs, as the level of ops() (and so of every layer op
+    and attention call) for one test."""
+    monkeypatch.setattr(cpu_kernels, "kernel_level", lambda: request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,14 @@ import httpx
 import pytest
 from aiohttp import web
 
-from pagedserve.bench.serve import (
+from pagedserve.bench.serve import BenchConfig, results_json, run_benchmark
+from pagedserve.bench.serve_prompts import (
     DEFAULT_DATASET,
-    BenchConfig,
-    format_table,
     load_dataset,
-    results_json,
-    run_benchmark,
     synthetic_prompts,
     tokenizer_words,
 )
+from pagedserve.bench.serve_report import format_table
 
 PROMPTS = ["one", "two", "three", "four", "five", "six"]
 

@@ -47,7 +47,8 @@ def test_shared_prefix_pages_are_reused_and_refcounted():
     cached = bm.find_cached_prefix(b)
     assert cached == a.block_table  # all three full pages match
     assert bm.allocate(b, 2, cached)
-    assert b.num_computed_tokens == 12 and b.block_table[:3] == a.block_table
+    assert b.num_computed_tokens == 0  # progress is the scheduler's to count
+    assert b.block_table[:3] == a.block_table and len(b.block_table) == 4
     assert all(bm.pages[p].ref_count == 2 for p in a.block_table)
     bm.free(a)
     assert all(bm.pages[p].ref_count == 1 for p in b.block_table[:3])
@@ -85,3 +86,17 @@ def test_cached_free_pages_are_evicted_lru_when_needed():
     assert bm.find_cached_prefix(again) == []
     bm.free(other)
     assert bm.reset_prefix_cache() and bm.num_cached_pages == 0
+
+
+def test_only_newly_filled_pages_are_offered_to_the_prefix_cache():
+    bm = BlockManager(num_pages=8, page_size=4)
+    seq = make_seq(list(range(9)))
+    compute(bm, seq, 9)
+    assert seq.num_registered_pages == 2 and bm.num_cached_pages == 2
+    seq.output_token_ids += [7, 8, 9]
+    compute(bm, seq, 3)
+    assert seq.num_registered_pages == 3
+    hashes = [bm.pages[p].block_hash for p in seq.block_table]
+    assert None not in hashes
+    bm.free(seq)
+    assert seq.num_registered_pages == 0 and bm.num_cached_pages == 3

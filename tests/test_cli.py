@@ -21,3 +21,14 @@ def test_unknown_model_is_one_clear_error_line():
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("pagedserve: error: model")
     assert "Traceback" not in result.stderr
+
+
+def test_python_dash_m_pagedserve_is_the_command():
+    result = subprocess.run(
+        [sys.executable, "-m", "pagedserve", "bench", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: pagedserve bench")

@@ -8,11 +8,12 @@ import torch.nn.functional as F
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta
 from pagedserve.attention.torch_backend import TorchAttentionBackend
-from pagedserve.cpu_kernels import HEADERS, build_name, ops
+from pagedserve.cpu_kernels import HEADERS, build_name, isa, ops
 from pagedserve.models import layer_ops
-from pagedserve.models.gguf_file import QuantWeight
-from pagedserve.models.linear import Embedding, Linear
-from pagedserve.models.quant_weight import PackedWeight, packable, packed_kernels_available
+from pagedserve.models.linear import Linear
+
+# Every kernel test runs at each level this CPU supports (conftest.kernel_level).
+pytestmark = pytest.mark.usefixtures("kernel_level")
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the reference by one rounding step of the output.
@@ -137,22 +138,30 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
     close(got, ref[:9])
 
 
-@pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (3, 64), (8, 128), (2, 128)])
-def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
+@pytest.mark.parametrize(
+    ("group", "head_dim", "dtype"),
+    [
+        (1, 64, torch.bfloat16),
+        (3, 64, torch.float32),
+        (8, 128, torch.bfloat16),
+        (2, 128, torch.float32),
+        (3, 80, torch.bfloat16),
+    ],
+)
+def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype):
     """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), some after cached
     context, q as a view of one fused qkv output, keys and values from scattered pages; against
     SDPA over each chunk's gathered keys with a bottom-right causal mask."""
     lens = [1, 5, 16, 17, 33, 100, 147, 7, 40]
     contexts = [1, 5, 16, 17, 33, 100, 147, 70, 300]  # the last two after cached context
-    pool = Pool(contexts, 16, head_dim, torch.bfloat16)
+    pool = Pool(contexts, 16, head_dim, dtype)
     hq, t = NUM_KV_HEADS * group, sum(lens)
-    qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=torch.bfloat16)
+    qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype)
     q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
-    if not ops().prefill_attention_supported(q):
-        pytest.skip("needs AMX")
+    assert ops().prefill_attention_supported(q)
     tables = pool.block_tables
     starts = [sum(lens[:i]) for i in range(len(lens))]
-    out = torch.full((t, hq, head_dim), float("nan"), dtype=torch.bfloat16)
+    out = torch.full((t, hq, head_dim), float("nan"), dtype=dtype)
     ops().prefill_attention_(
         q, pool.k, pool.v, out, starts, lens, torch.tensor(contexts), tables, head_dim**-0.5
     )
@@ -172,6 +181,9 @@ def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim):
         close(out[s : s + n], want)
 
 
+@pytest.mark.skipif(
+    not isa.cpu_info().has_native_bf16(), reason="oneDNN's bf16 layout is used with native bf16"
+)
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_in_blocked_layout(bias):
     gen = torch.Generator().manual_seed(2)
@@ -187,77 +199,14 @@ def test_linear_in_blocked_layout(bias):
     close(layer(x), want)
 
 
-needs_packed = pytest.mark.skipif(
-    not packed_kernels_available(), reason="the packed kernels need AMX (amx_bf16)"
-)
-
-
-def random_quant(n: int, k: int, bits: int, gen: torch.Generator) -> QuantWeight:
-    """A random block-quantized [n, k] matrix: Q4_1-like codes with offsets, or Q8_0-like."""
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.05).half().float()  # float16 values
-    if bits == 4:
-        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        offset = (torch.randn(n, k // 32, generator=gen) * 0.2).half().float()
-    else:
-        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
-        offset = None
-    dense = codes.float().view(n, k // 32, 32) * scale.unsqueeze(-1)
-    if offset is not None:
-        dense = dense + offset.unsqueeze(-1)
-    return QuantWeight(codes, scale, offset, dense.view(n, k), bits)
-
-
-@needs_packed
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 4, 6, 16, 33, 70])  # AVX-512 rows (<= 4) and AMX tiles
-def test_packed_linear_matches_the_dense_matrix(bits, rows):
-    gen = torch.Generator().manual_seed(rows * bits)
-    parts = [random_quant(64, 96, bits, gen), random_quant(32, 96, bits, gen)]  # a fused weight
-    packed = PackedWeight.pack(parts)
-    dense = torch.cat([p.dense for p in parts])
-    x = torch.randn(rows, 96, generator=gen).to(torch.bfloat16)
-    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
-    # Within the rounding of weights to bf16 (the AMX path) and of the bf16 result.
-    slack = 2**-8 * (x.float().abs() @ dense.abs().t())
-    for b in (None, bias):
-        want = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
-        got = packed.linear(x, b)
-        assert got.dtype == torch.bfloat16 and got.shape == want.shape
-        assert ((got.float() - want).abs() <= slack + 2**-8 * want.abs()).all()
-    ids = torch.tensor([[0, 95], [17, 64]])
-    assert torch.equal(packed.rows(ids), dense[ids].to(torch.bfloat16))  # lookups are exact
-
-
-@needs_packed
-def test_packed_linear_and_embedding_free_the_dense_copy():
-    gen = torch.Generator().manual_seed(5)
-    weight = random_quant(64, 64, 8, gen)
-    packed = PackedWeight.pack([weight])
-    layer, table = Linear(64, 64, bias=False), Embedding(64, 64)
-    layer.use_packed(packed)
-    table.use_packed(packed)
-    assert layer.weight.numel() == table.weight.numel() == 0
-    x = torch.randn(2, 64, generator=gen).to(torch.bfloat16)
-    torch.testing.assert_close(layer(x).float(), x.float() @ weight.dense.t(), atol=0.1, rtol=0.02)
-    assert torch.equal(table(torch.tensor([3])), weight.dense[3:4].to(torch.bfloat16))
-
-
-def test_packing_refuses_mixed_types_and_odd_shapes():
-    gen = torch.Generator().manual_seed(6)
-    assert packable([random_quant(32, 64, 4, gen)])
-    assert not packable([random_quant(32, 64, 4, gen), random_quant(32, 64, 8, gen)])
-    assert not packable([random_quant(48, 64, 4, gen)])  # 48 columns: not whole strips of 32
-    with pytest.raises(ValueError, match="do not pack"):
-        PackedWeight.pack([random_quant(16, 64, 8, gen)])
-
-
 def test_build_name_follows_the_headers(tmp_path):
     """A header edit alone must give the extension a new name (so it is rebuilt)."""
     assert {h.name for h in HEADERS} >= {"amx.h", "quant_linear.h"}
     headers = [tmp_path / "a.h", tmp_path / "b.h"]
     headers[0].write_text("#pragma once\n")
     headers[1].write_text("int f();\n")
-    before = build_name(headers)
-    assert build_name(headers) == before
+    before = build_name("generic", headers)
+    assert build_name("generic", headers) == before
+    assert before != build_name("avx2", headers)  # each level is its own build
     headers[1].write_text("int f(int);\n")
-    assert build_name(headers) != before
+    assert build_name("generic", headers) != before

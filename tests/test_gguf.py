@@ -75,7 +75,7 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_quantized_codes_reproduce_the_dequantized_weights(default_gguf):
     """GGUF matrices kept as codes (Q4_1, and the Q8_0 embedding): same dense values as the
     plain path, and packed for the CPU kernels they compute the same products."""
-    from pagedserve.models.quant_weight import PackedWeight, packed_kernels_available
+    from pagedserve.models.quant_weight import PackedWeight
 
     cfg = gguf_file.read_config(default_gguf)
     plain = gguf_file.iter_weights(default_gguf, cfg)
@@ -88,12 +88,12 @@ def test_quantized_codes_reproduce_the_dequantized_weights(default_gguf):
             continue
         assert torch.equal(weight.dense, dense), name  # includes q/k row permutation
         assert weight.bits == (8 if "embed_tokens" in name else 4), name
-        if seen < 4 and name.endswith(names) and packed_kernels_available():
+        if seen < 4 and name.endswith(names):
             x = torch.randn(5, dense.shape[1]).to(torch.bfloat16)
             got = PackedWeight.pack([weight]).linear(x, None).float()
             torch.testing.assert_close(got, x.float() @ dense.t(), atol=0.05, rtol=0.02)
             seen += 1
-    assert seen == (4 if packed_kernels_available() else 0)
+    assert seen == 4
 
 
 def test_decode_layers_in_one_call_match_the_module_path(monkeypatch):
@@ -102,10 +102,7 @@ def test_decode_layers_in_one_call_match_the_module_path(monkeypatch):
     from conftest import PROMPTS
     from pagedserve import LLM, SamplingParams
     from pagedserve.models.llama import LlamaForCausalLM
-    from pagedserve.models.quant_weight import packed_kernels_available
 
-    if not packed_kernels_available():
-        pytest.skip("packed weights need AMX (amx_bf16)")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(kv_cache_memory="64MiB")
     fused = [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)]

@@ -22,6 +22,8 @@ import httpx
 import openai
 import pytest
 
+from pagedserve.cpu_kernels import isa
+
 MODEL = "SmolLM2-135M-Instruct"
 API_KEY = "test-key-123"
 # One torch thread each: two servers on a small shared machine must not oversubscribe the CPUs.
@@ -146,7 +148,8 @@ def test_health_version_models(server, client):
     assert server.saw_503_while_loading  # /health answers 503 while the model loads
     r = httpx.get(f"{server.url}/health")
     assert r.status_code == 200
-    assert httpx.get(f"{server.url}/version").json()["version"]
+    version = httpx.get(f"{server.url}/version").json()
+    assert version["version"] and version["cpu_kernel_level"] == isa.kernel_level()
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL

@@ -17,8 +17,10 @@ import pytest
 import torch
 
 from conftest import PROMPTS, assert_pool_whole
+from pagedserve.output_stream import RequestStream
+from pagedserve.outputs import CompletionDelta, RequestDelta
 from pagedserve.structured.bitmask import StepMask, allowed_tokens, apply_bitmask
-from pagedserve.tools.parser import ToolCallStream, parse
+from pagedserve.tools.parser import ToolCallProcessor, parse
 from test_server import MODEL, ServerProcess, chat_messages
 
 SCHEMAS = {
@@ -122,20 +124,31 @@ def test_tool_call_parser_streams_what_the_whole_text_parses_to():
         ("get_weather", {"city": "Paris", "unit": "c"}),
         ("add", {"a": 1, "b": {"c": [2]}}),
     ]
-    stream, content, assembled = ToolCallStream(), "", {}
+    # Through the chat stream's path: a RequestStream whose output processor parses the calls.
+    stream = RequestStream("r", [1], processor=lambda _: ToolCallProcessor())
+    content, assembled = "", {}
     for end in range(1, len(text) + 1):  # one character at a time: every cut is exercised
-        c, deltas = stream.update(text[:end], final=end == len(text))
-        content += c
+        last = end == len(text)
+        piece = CompletionDelta(0, text[end - 1], [end], finish_reason="stop" if last else None)
+        (event,) = stream.update([RequestDelta("r", [piece], finished=last)])
+        content += event.text
         assert "<tool" not in content and "</" not in content
-        for d in deltas:
+        for d in event.tool_calls or []:
             if d.index not in assembled:
                 assert d.id and d.id.startswith("call_") and d.name
-                assembled[d.index] = [d.name, ""]
+                assembled[d.index] = [d.id, d.name, ""]
             else:
                 assert d.id is None and d.name is None
-            assembled[d.index][1] += d.arguments
+            assembled[d.index][2] += d.arguments
     assert content == whole.content
-    assert [(n, a) for n, a in assembled.values()] == [(c.name, c.arguments) for c in whole.calls]
+    assert [(n, a) for _, n, a in assembled.values()] == [
+        (c.name, c.arguments) for c in whole.calls
+    ]
+    (out,) = stream.outputs
+    assert out.finish_reason == "tool_calls" and out.text == whole.content
+    assert [(c.id, c.name, c.arguments) for c in out.tool_calls] == [
+        tuple(v) for v in assembled.values()
+    ]
 
 
 def test_unfinished_tool_call_is_not_content():
@@ -166,13 +179,16 @@ def small_engine():
 
 
 def _run(engine, prompts, params) -> list:
+    streams = {}
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, params)
-    final = {}
+        state = engine.add_request(f"r{i}", p, params)
+        streams[state.request_id] = RequestStream(
+            state.request_id, state.prompt_token_ids, params.n
+        )
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            final[out.request_id] = out
-    return [final[f"r{i}"] for i in range(len(prompts))]
+        for delta in engine.step():
+            streams[delta.request_id].update([delta])
+    return [streams[f"r{i}"].output() for i in range(len(prompts))]
 
 
 def test_preemption_keeps_each_sequence_grammar(small_engine):

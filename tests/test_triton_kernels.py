@@ -31,7 +31,8 @@ DEVICE = torch.device(DEVICE_NAME)
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta  # noqa: E402
 from pagedserve.attention import triton_kernels as tk  # noqa: E402
-from pagedserve.attention.backend import AttentionMetadata, get_backend  # noqa: E402
+from pagedserve.attention.backend import AttentionMetadata  # noqa: E402
+from pagedserve.attention.registry import get_backend  # noqa: E402
 from pagedserve.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from pagedserve.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 

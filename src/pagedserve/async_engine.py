@@ -17,7 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
 from pagedserve.engine import EngineCounters, EngineStats, LLMEngine
-from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.output_stream import RequestStream
+from pagedserve.outputs import RequestDelta
 from pagedserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 class EngineStepError(RuntimeError):
     """An engine step failed; every request that was in the engine at that moment gets this."""
+
+
+class DuplicateRequestError(ValueError):
+    """A request id that is already in flight."""
 
 
 @dataclass
@@ -38,10 +43,6 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str | None  # None: abort everything
-
-
-# Posted to a stream whose request was aborted by someone other than its own consumer.
-_ABORTED = object()
 
 
 class AsyncEngine:
@@ -86,54 +87,56 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # ---- the asyncio side ----------------------------------------------------------------
-    async def generate(
+    def generate(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the cumulative output after every step that touched the request.
+        stream: RequestStream | None = None,
+    ) -> AsyncIterator[RequestStream]:
+        """Yield the request's `RequestStream` after every update: its `events` are what the
+        update added (deltas that piled up while the consumer was busy, merged), its outputs
+        the totals so far.
 
-        Outputs that pile up while the consumer is busy are collapsed into the newest one (they
-        are cumulative). Closing or cancelling the iterator before the last output aborts the
-        request in the engine. Engine errors are raised here (ValueError for a bad request).
+        Pass `stream` to choose its prompt ids for usage, its output processor or logprobs
+        (default: the ids given, or none for a text prompt). Closing or cancelling the iterator
+        before the last update aborts the request in the engine. A request id already in
+        flight raises DuplicateRequestError here, at the call; engine errors (ValueError for a
+        bad request) are raised by the iterator.
         """
         if self._loop is None:
             raise RuntimeError("AsyncEngine.start() was not called")
         if self._stopping or not self.is_running:
             raise EngineStepError("the engine loop is not running")
         if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
+            raise DuplicateRequestError(f"request id {request_id!r} is already in use")
+        if stream is None:
+            ids = [] if isinstance(prompt, str) else list(prompt)
+            stream = RequestStream(request_id, ids, params.n, logprobs=params.logprobs is not None)
         q: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = q
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._send(_Add(request_id, prompt, params, arrival))
-        last: RequestOutput | None = None
-        finished = False
+        return self._updates(request_id, q, stream)
+
+    async def _updates(
+        self, request_id: str, q: asyncio.Queue, stream: RequestStream
+    ) -> AsyncIterator[RequestStream]:
         try:
-            while True:
-                item = await q.get()
-                while (
-                    not q.empty() and not isinstance(item, BaseException) and item is not _ABORTED
-                ):
-                    item = q.get_nowait()
-                if isinstance(item, BaseException):
-                    finished = True  # the engine no longer holds it
-                    raise item
-                if item is _ABORTED:
-                    finished = True
-                    yield aborted_output(request_id, prompt, params, last)
-                    return
-                last = item
-                if item.finished:
-                    finished = True
-                yield item
-                if finished:
-                    return
+            while not stream.finished:
+                deltas = [await q.get()]
+                while not q.empty():
+                    deltas.append(q.get_nowait())
+                failure = next((d for d in deltas if isinstance(d, BaseException)), None)
+                if failure is not None:
+                    stream.finished = True  # the engine no longer holds it
+                    raise failure
+                stream.update(deltas)
+                yield stream
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not stream.finished:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
@@ -155,7 +158,7 @@ class AsyncEngine:
         self._commands.put(cmd)
         self._wake.set()
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _dispatch(self, outputs: list[RequestDelta]) -> None:
         for out in outputs:
             q = self._streams.get(out.request_id)
             if q is not None:
@@ -212,9 +215,9 @@ class AsyncEngine:
             else:
                 ids = [cmd.request_id] if cmd.request_id is not None else list(engine.requests)
                 for rid in ids:
-                    if rid in engine.requests:
-                        engine.abort_request(rid)
-                        self._to_loop(self._post, rid, _ABORTED)
+                    last = engine.abort_request(rid)
+                    if last is not None:
+                        self._to_loop(self._post, rid, last)
 
     def _fail_all(self, exc: Exception) -> None:
         engine = self.engine
@@ -288,22 +291,3 @@ class _LogWindow:
             f"Preemptions: {s.num_preemptions}, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
-
-
-def aborted_output(
-    request_id: str,
-    prompt: str | list[int],
-    params: SamplingParams,
-    last: RequestOutput | None,
-) -> RequestOutput:
-    """The final output of a request aborted from outside: what it had, marked 'abort'."""
-    if last is not None:
-        outputs = [
-            o if o.finished else replace(o, finish_reason="abort", token_ids=list(o.token_ids))
-            for o in last.outputs
-        ]
-        return replace(last, outputs=outputs, finished=True)
-    outputs = [CompletionOutput(i, "", [], finish_reason="abort") for i in range(params.n)]
-    ids = [] if isinstance(prompt, str) else list(prompt)
-    text = prompt if isinstance(prompt, str) else None
-    return RequestOutput(request_id, text, ids, outputs, finished=True)

@@ -89,12 +89,15 @@ class BlockManager:
         return hits
 
     def cache_full_pages(self, seq: Sequence) -> None:
-        """Register pages whose tokens are all computed, so later sequences can share them."""
+        """Register pages whose tokens are all computed, so later sequences can share them
+        (only the pages filled since the last call: the cost of a step, not of the sequence)."""
         if not self.enable_prefix_caching:
             return
         n_full = seq.num_computed_tokens // self.page_size
+        if n_full <= seq.num_registered_pages:
+            return
         hashes = self._page_hashes(seq)
-        for i in range(n_full):
+        for i in range(seq.num_registered_pages, n_full):
             page = self.pages[seq.block_table[i]]
             if page.block_hash is not None:
                 continue
@@ -104,6 +107,7 @@ class BlockManager:
             page.block_hash = h
             page.tokens = tuple(seq.token_ids_slice(i * self.page_size, (i + 1) * self.page_size))
             self._cached[h] = page.page_id
+        seq.num_registered_pages = n_full
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached page that no sequence holds; False if some are still in use."""
@@ -133,8 +137,8 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, num_new_tokens: int, cached: list[int] = ()) -> bool:
         """Give `seq` pages for `num_new_tokens` more tokens, first adopting `cached` prefix pages
-        (only on a sequence with nothing computed). Returns False, changing nothing, if the pool
-        cannot hold them."""
+        (only on a sequence with nothing computed; the scheduler then counts them computed).
+        Returns False, changing nothing, if the pool cannot hold them."""
         if not self.can_allocate(seq, num_new_tokens, list(cached)):
             return False
         for page_id in cached:
@@ -143,10 +147,8 @@ class BlockManager:
                 del self._free[page_id]
             page.ref_count += 1
             seq.block_table.append(page_id)
-        if cached:
-            seq.num_computed_tokens = len(cached) * self.page_size
-            seq.num_cached_tokens = seq.num_computed_tokens
-        need = self.pages_needed(seq.num_computed_tokens + num_new_tokens) - len(seq.block_table)
+        total = seq.num_computed_tokens + len(cached) * self.page_size + num_new_tokens
+        need = self.pages_needed(total) - len(seq.block_table)
         for _ in range(need):
             seq.block_table.append(self._take_free_page().page_id)
         return True
@@ -168,4 +170,4 @@ class BlockManager:
                 else:
                     self._free[page_id] = None
         seq.block_table = []
-        seq.num_computed_tokens = 0
+        seq.num_registered_pages = 0

@@ -6,46 +6,8 @@ import argparse
 import dataclasses
 import logging
 import sys
-import types
-import typing
-from typing import Any
 
-
-def _flag_type(tp: Any) -> Any:
-    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return args[0]
-    return tp
-
-
-def add_dataclass_flags(
-    parser: argparse.ArgumentParser, cls: type, skip: frozenset[str] = frozenset()
-) -> None:
-    """One flag per field: --field-name, help from the field's metadata."""
-    hints = typing.get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        tp = _flag_type(hints[f.name])
-        help_text = f.metadata.get("help", "")
-        if tp is bool:
-            parser.add_argument(
-                flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_text
-            )
-            continue
-        parser.add_argument(
-            flag,
-            type=tp,
-            default=f.default,
-            choices=f.metadata.get("choices"),
-            help=f"{help_text} (default: {f.default})",
-        )
-
-
-def dataclass_from_args(cls: type, args: argparse.Namespace) -> Any:
-    names = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in vars(args).items() if k in names})
+from pagedserve.flags import add_dataclass_flags, dataclass_from_args
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -166,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--batch-sizes", type=_int_list, default=[1, 32], help="(default: 1,32)")
     step.add_argument("--prompt-len", type=int, default=128, help="Tokens per prompt")
     step.add_argument("--steps", type=int, default=32, help="Decode steps timed per batch size")
+    step.add_argument(
+        "--output-len",
+        type=int,
+        default=0,
+        help="Tokens each request has already generated when the timed steps start",
+    )
     add_dataclass_flags(step, EngineConfig)
     step.set_defaults(func=_cmd_bench_step)
 
@@ -186,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--dataset",
         default=None,
-        help='JSON lines of {"prompt": ...} (default: benchmarks/prompts.jsonl)',
+        help='JSON lines of {"prompt": ...} (default: the prompt set shipped in pagedserve/bench)',
     )
     srv.add_argument(
         "--synthetic-input-len", type=int, default=None, help="Random prompts of L tokens"
@@ -194,6 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tokenizer", default=None, help="For synthetic prompts (default model's)")
     srv.add_argument("--stream", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
+    srv.add_argument(
+        "--min-tokens",
+        action="store_true",
+        help="Also send min_tokens = max tokens, for servers that ignore ignore_eos (llama.cpp's)",
+    )
     srv.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True)
     srv.add_argument(
         "--unique-prompts",

@@ -51,7 +51,7 @@ class EngineConfig:
     )
     quantization: str = _opt(
         "auto",
-        "auto: on a CPU with AMX in bfloat16, keep a GGUF's Q4_0/Q4_1/Q8_0 matrices packed"
+        "auto: on CPU in float32 or bfloat16, keep a GGUF's Q4_0/Q4_1/Q8_0 matrices packed"
         " (read at 4-8 bits a weight); none: dequantize every weight",
         choices=["auto", "none"],
     )

@@ -1,4 +1,4 @@
-"""Incremental detokenization and stop strings.
+"""Incremental detokenization, stop strings and what text a client may see.
 
 Text is decoded over a short window of tokens so that multi-token characters and tokenizers
 that merge leading spaces give the same text as decoding all output at once; nothing is
@@ -35,8 +35,9 @@ def decoder(tokenizer: PreTrainedTokenizerBase) -> Decode:
 
 
 def start(seq: Sequence) -> None:
-    seq.prefix_offset = max(0, seq.num_prompt_tokens - _CONTEXT_TOKENS)
-    seq.read_offset = seq.num_prompt_tokens
+    """Decode from the sequence's next token on (its known tokens are context)."""
+    seq.prefix_offset = max(0, seq.num_tokens - _CONTEXT_TOKENS)
+    seq.read_offset = seq.num_tokens
 
 
 def append_text(decode: Decode, seq: Sequence) -> str:
@@ -72,10 +73,15 @@ def find_stop(seq: Sequence, new_text_len: int) -> str | None:
     return None
 
 
-def visible_text(seq: Sequence) -> str:
-    """Text safe to show a client now: held back by the longest stop string's length - 1 while
-    the sequence runs, so a stop string split across tokens is never shown in part."""
-    if seq.finished or not seq.params.stop:
-        return seq.output_text
-    hold = max(len(s) for s in seq.params.stop) - 1
-    return seq.output_text[: max(seq.emitted_text_len, len(seq.output_text) - hold)]
+def take_text(seq: Sequence) -> str:
+    """The text not handed out yet that is safe to show a client now; this module alone moves
+    `seq.emitted_text_len`. While the sequence runs, text is held back by the longest stop
+    string's length - 1, so a stop string split across tokens is never shown in part."""
+    text = seq.output_text
+    end = len(text)
+    if not seq.finished and seq.params.stop:
+        hold = max(len(s) for s in seq.params.stop) - 1
+        end = max(seq.emitted_text_len, end - hold)
+    new = text[seq.emitted_text_len : end]
+    seq.emitted_text_len = end
+    return new

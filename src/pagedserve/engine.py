@@ -1,4 +1,4 @@
-"""The engine: requests in, one batched model step at a time, outputs back.
+"""The engine: requests in, one batched model step at a time, per-request deltas back.
 
 It owns the tokenizer, the scheduler, the block manager, the model runner and the sampler,
 and knows nothing of HTTP. `step()` is called in a loop by the offline `LLM` or by the async
@@ -10,21 +10,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from pagedserve import detokenizer
-from pagedserve.attention import get_backend
 from pagedserve.block_manager import BlockManager
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
 from pagedserve.distributed.sharding import ShardPlan
-from pagedserve.model_runner import ModelRunner, kv_bytes_per_page
-from pagedserve.models.config import ModelConfig
-from pagedserve.models.loader import ModelSource, load_config, load_model, load_tokenizer
+from pagedserve.executor import Executor, start_executor
+from pagedserve.loading import LoadSpec
+from pagedserve.model_runner import ModelRunner
+from pagedserve.models.loader import ModelSource, load_config, load_tokenizer
 from pagedserve.models.quant_weight import packed_kernels_available
-from pagedserve.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedserve.outputs import CompletionDelta, RequestDelta, RequestMetrics, TokenLogprobs
 from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
@@ -32,16 +31,8 @@ from pagedserve.sequence import Sequence, SequenceStatus
 from pagedserve.structured.compiler import GrammarCompiler
 from pagedserve.structured.masks import MaskFiller
 
-if TYPE_CHECKING:
-    from pagedserve.distributed.executor import TensorParallelExecutor
-
 logger = logging.getLogger(__name__)
 
-# The pool is calloc'd, so only touched pages are resident; but prefix caching keeps freed
-# pages' contents and hands out untouched pages first, so under sustained load the whole pool
-# becomes resident. 512 MiB (23,296 tokens of the default model: 64 sequences of ~360 tokens)
-# keeps the default model's server under 1.5 GB resident.
-CPU_DEFAULT_KV_BYTES = 512 << 20
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -107,49 +98,10 @@ def _pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def kv_budget_bytes(
-    config: EngineConfig,
-    model: torch.nn.Module,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> int:
-    """Bytes for KV pages on `device`, after the model's weights (a rank's shard under TP)."""
-    if config.kv_cache_bytes is not None:
-        return config.kv_cache_bytes
-    if device.type != "cuda":
-        return CPU_DEFAULT_KV_BYTES
-    # Free memory after the weights, less headroom for activations of a full step.
-    torch.cuda.synchronize()
-    total = torch.cuda.get_device_properties(device).total_memory
-    activation_headroom = _profile_peak_activation_bytes(config, model, cfg, dtype, device)
-    budget = total * config.gpu_memory_utilization
-    return int(budget - torch.cuda.memory_allocated() - activation_headroom)
-
-
-def _profile_peak_activation_bytes(
-    config: EngineConfig,
-    model: torch.nn.Module,
-    cfg: ModelConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> int:
-    """Peak extra memory of a forward at the full token budget (no KV pages yet)."""
-    n = config.max_num_batched_tokens
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    with torch.inference_mode():
-        x = torch.zeros(n, cfg.hidden_size, dtype=dtype, device=device)
-        for layer in model.layers:
-            x = layer.mlp(layer.post_attention_layernorm(x))
-        model.compute_logits(x[-min(n, config.max_num_seqs) :])
-    return torch.cuda.max_memory_allocated() - before
-
-
 def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
-    """auto: bfloat16 on CUDA, and on a CPU whose kernel level computes it natively (see README
-    "dtype on CPU"), float32 on other CPUs. An explicit bfloat16 that this CPU would only emulate
-    is refused here, before anything loads (oneDNN's bf16 layouts refuse it mid-load)."""
+    """auto: bfloat16 on CUDA, and on a CPU whose kernel level computes it natively (README,
+    "CPUs: kernel levels and dtype"), float32 on other CPUs. An explicit bfloat16 that this CPU
+    would only emulate is refused here, before anything loads (oneDNN refuses it mid-load)."""
     if device.type != "cpu":
         return torch.bfloat16 if name == "auto" else DTYPES[name]
     logger.info("CPU: %s", isa.describe())
@@ -186,39 +138,22 @@ class LLMEngine:
             set(cfg.eos_token_ids)
             | ({self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         )
-        self.backend = get_backend(config.attention_backend, self.device)
         max_positions = config.max_model_len or cfg.max_context
         keep_quant = (
             config.quantization == "auto"
-            and self.dtype == torch.bfloat16
             and self.device.type == "cpu"
             and self.source.kind == "gguf"
-            and packed_kernels_available()
+            and packed_kernels_available(self.dtype)
         )
         page_size = config.block_size
-        self.runner: ModelRunner | TensorParallelExecutor
-        if config.tensor_parallel_size > 1:
-            from pagedserve.distributed.executor import RankSpec, TensorParallelExecutor
-
-            # Rank 0 runs in this process, the others in workers; each holds only its shard.
-            self.model = None
-            spec = RankSpec(
-                config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_quant
-            )
-            self.runner = TensorParallelExecutor(spec)
-            num_pages, per_page = self.runner.num_pages, self.runner.kv_bytes_per_page
-        else:
-            self.model = load_model(
-                self.source, cfg, self.backend, self.dtype, self.device, max_positions, keep_quant
-            )
-            per_page = kv_bytes_per_page(cfg, page_size, self.dtype)
-            budget = kv_budget_bytes(config, self.model, cfg, self.dtype, self.device)
-            num_pages = budget // per_page
-            if num_pages < 1:
-                raise ValueError("kv_cache_memory is too small for a single KV page")
-            self.runner = ModelRunner(
-                self.model, cfg, self.backend, num_pages, page_size, self.dtype, self.device
-            )
+        spec = LoadSpec(
+            config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_quant
+        )
+        # Under tensor parallelism rank 0 runs in this process, the others in workers.
+        self.runner: Executor = start_executor(spec, self.device)
+        self.backend = self.runner.backend
+        self.model = self.runner.model if isinstance(self.runner, ModelRunner) else None
+        num_pages, per_page = self.runner.num_pages, self.runner.kv_bytes_per_page
         self.max_model_len = min(max_positions, num_pages * page_size)
         self.block_manager = BlockManager(num_pages, page_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -226,9 +161,8 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
-        vocab = cfg.vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)
-        self.masks = MaskFiller(vocab)
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.masks = MaskFiller(cfg.vocab_size)
         self._next_seq_id = 0
         torch.manual_seed(config.seed)
         logger.info(
@@ -247,15 +181,13 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
-        stop = getattr(self.runner, "shutdown", None)
-        if stop is not None:
-            stop()
+        self.runner.shutdown()
         self.grammars.shutdown()
         self.masks.shutdown()
 
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died), else None."""
-        return getattr(self.runner, "error", None)
+        return self.runner.error
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize_prompt(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
@@ -295,7 +227,7 @@ class LLMEngine:
         prompt: str | list[int],
         params: SamplingParams,
         arrival_time: float | None = None,
-    ) -> None:
+    ) -> RequestState:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         text, ids = self.tokenize_prompt(prompt)
@@ -304,7 +236,7 @@ class LLMEngine:
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         # The server compiled it already (off this loop); the offline API compiles it here.
-        grammar = self.grammars.compile(params.structured) if params.structured else None
+        grammar = self.grammars.constraint(params.structured) if params.structured else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -321,31 +253,40 @@ class LLMEngine:
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + i)
             if grammar is not None:
-                seq.grammar = grammar if i == 0 else grammar.deep_copy()
+                seq.constraint = grammar if i == 0 else grammar.fork()
             detokenizer.start(seq)
             seqs.append(seq)
             self.scheduler.add(seq)
-        self.requests[request_id] = RequestState(request_id, text, ids, params, seqs, arrival)
+        state = self.requests[request_id] = RequestState(
+            request_id, text, ids, params, seqs, arrival
+        )
+        return state
 
-    def abort_request(self, request_id: str) -> None:
+    def abort_request(self, request_id: str) -> RequestDelta | None:
+        """Abort a request; its last delta (unfinished completions end 'abort'), or None if it
+        is not here."""
         state = self.requests.pop(request_id, None)
         if state is None:
-            return
+            return None
+        completions = []
         for seq in state.seqs:
             if not seq.finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                completions.append(CompletionDelta(seq.index, "", [], finish_reason="abort"))
         self._count_finish("abort", len(state.seqs))
+        return RequestDelta(request_id, completions, True, self._metrics(state))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[RequestDelta]:
+        """Run one batched step; what each request it touched gained (one token per sampled
+        sequence: the cost is the step's size, not the outputs' length)."""
         out = self.scheduler.schedule()
         if out.empty:
             return []
-        # Single-token rows (decodes) first: the attention metadata expects that layout.
-        batch = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        batch = out.scheduled
         sample_rows = [i for i, s in enumerate(batch) if s.samples]
         self.counters.prompt_tokens += sum(
             max(0, min(s.seq.num_prompt_tokens - s.seq.num_computed_tokens, s.num_new_tokens))
@@ -358,30 +299,30 @@ class LLMEngine:
         result = sample(logits, seqs, self.eos_token_ids, masks.result() if masks else None)
 
         now = time.monotonic()
-        touched: dict[str, RequestState] = {}
+        touched: dict[str, list[CompletionDelta]] = {}
         dead = set(result.dead_rows)
         for row, (seq, token, logprobs) in enumerate(
             zip(seqs, result.token_ids, result.logprobs, strict=True)
         ):
             if row in dead:
-                self._finish(seq, SequenceStatus.FINISHED_GRAMMAR)
+                delta = self._finish(seq, SequenceStatus.FINISHED_GRAMMAR)
             else:
-                self._append_token(seq, token, logprobs, now)
-            touched[seq.request_id] = self.requests[seq.request_id]
+                delta = self._append_token(seq, token, logprobs, now)
+            touched.setdefault(seq.request_id, []).append(delta)
         self.counters.generation_tokens += len(seqs)
-        return [self._make_output(state) for state in touched.values()]
+        return [self._request_delta(rid, deltas) for rid, deltas in touched.items()]
 
-    def _append_token(self, seq: Sequence, token: int, logprobs, now: float) -> None:
+    def _append_token(
+        self, seq: Sequence, token: int, logprobs: TokenLogprobs | None, now: float
+    ) -> CompletionDelta:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token)
-        if logprobs is not None:
-            seq.logprobs.append(logprobs)
         new_text = detokenizer.append_text(self._decode, seq)
         status = None
         p = seq.params
-        # The mask allowed the token, so the matcher takes it unless the grammar is broken.
-        if seq.grammar is not None and not seq.grammar.consume_token(token):
+        # The mask allowed the token, so the constraint takes it unless the grammar is broken.
+        if seq.constraint is not None and not seq.constraint.advance(token):
             status = SequenceStatus.FINISHED_GRAMMAR
         elif len(seq.output_token_ids) >= p.min_tokens:
             if token in p.stop_token_ids:
@@ -390,43 +331,49 @@ class LLMEngine:
                 status = SequenceStatus.FINISHED_STOPPED
             elif (stop := detokenizer.find_stop(seq, len(new_text))) is not None:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
-            elif seq.grammar is not None and seq.grammar.is_stopped():
-                status = SequenceStatus.FINISHED_STOPPED  # complete: only EOS could follow
+            elif seq.constraint is not None and seq.constraint.is_complete():
+                status = SequenceStatus.FINISHED_STOPPED  # only the end of output could follow
         if status is None and (
             len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
         ):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None:
-            self._finish(seq, status)
+            self.scheduler.finish(seq, status)
+            self._count_finish(status.value, 1)
+        return CompletionDelta(
+            index=seq.index,
+            text=detokenizer.take_text(seq),
+            token_ids=[token],
+            logprobs=[logprobs] if logprobs is not None else None,
+            finish_reason=status.value if status is not None else None,
+            stop_reason=seq.stop_reason,
+        )
 
-    def _finish(self, seq: Sequence, status: SequenceStatus) -> None:
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> CompletionDelta:
+        """End a sequence without a new token (its constraint allowed none)."""
         self.scheduler.finish(seq, status)
         self._count_finish(status.value, 1)
+        return CompletionDelta(
+            seq.index, detokenizer.take_text(seq), [], finish_reason=status.value
+        )
 
     def _count_finish(self, reason: str, n: int) -> None:
         by_reason = self.counters.finished_by_reason
         by_reason[reason] = by_reason.get(reason, 0) + n
 
-    def _make_output(self, state: RequestState) -> RequestOutput:
-        outputs = []
-        for seq in state.seqs:
-            text = detokenizer.visible_text(seq)
-            seq.emitted_text_len = len(text)
-            outputs.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=text,
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.status.value if seq.finished else None,
-                    stop_reason=seq.stop_reason,
-                    logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
-                )
-            )
-        finished = state.finished
-        if finished:
-            del self.requests[state.request_id]
+    def _request_delta(self, request_id: str, completions: list[CompletionDelta]) -> RequestDelta:
+        state = self.requests[request_id]
+        if len(completions) > 1:
+            completions.sort(key=lambda c: c.index)
+        if not state.finished:
+            return RequestDelta(request_id, completions)
+        del self.requests[request_id]
+        return RequestDelta(request_id, completions, True, self._metrics(state))
+
+    @staticmethod
+    def _metrics(state: RequestState) -> RequestMetrics:
         first = state.seqs[0]
-        metrics = RequestMetrics(
+        return RequestMetrics(
             arrival_time=state.arrival_time,
             first_scheduled_time=first.first_scheduled_time,
             first_token_time=min(
@@ -435,9 +382,6 @@ class LLMEngine:
             finished_time=max((s.finished_time or 0.0 for s in state.seqs), default=None),
             num_preemptions=sum(s.num_preemptions for s in state.seqs),
             num_cached_tokens=first.num_cached_tokens,
-        )
-        return RequestOutput(
-            state.request_id, state.prompt, state.prompt_token_ids, outputs, finished, metrics
         )
 
     # ---- introspection -------------------------------------------------------------------

@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine
+from pagedserve.output_stream import RequestStream
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import SamplingParams
 
@@ -39,12 +40,13 @@ class LLM:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError("sampling_params must be one per prompt")
-        order = []
+        streams: dict[str, RequestStream] = {}
         for prompt, p in zip(prompts, params, strict=True):
             rid = str(next(self._ids))
-            self.engine.add_request(rid, prompt, p)
-            order.append(rid)
-        return self._run(order, use_tqdm)
+            state = self.engine.add_request(rid, prompt, p)
+            logprobs = p.logprobs is not None
+            streams[rid] = RequestStream(rid, state.prompt_token_ids, p.n, state.prompt, logprobs)
+        return self._run(streams, use_tqdm)
 
     def chat(
         self,
@@ -60,13 +62,13 @@ class LLM:
         ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
         return self.generate(ids, sampling_params, use_tqdm)
 
-    def _run(self, order: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        done: dict[str, RequestOutput] = {}
-        bar = tqdm(total=len(order), desc="Generating", disable=not use_tqdm)
+    def _run(self, streams: dict[str, RequestStream], use_tqdm: bool) -> list[RequestOutput]:
+        bar = tqdm(total=len(streams), desc="Generating", disable=not use_tqdm)
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+            for delta in self.engine.step():
+                stream = streams[delta.request_id]
+                stream.update((delta,))
+                if stream.finished:
                     bar.update(1)
         bar.close()
-        return [done[rid] for rid in order]
+        return [s.output() for s in streams.values()]

@@ -1,4 +1,5 @@
-"""Turns a scheduled batch into flat tensors, runs the model over the KV pages, samples."""
+"""Turns a scheduled batch into flat tensors and runs the model over the KV pages: the
+single-process `Executor` (executor.py), and each tensor-parallel rank's model."""
 
 from __future__ import annotations
 
@@ -54,7 +55,14 @@ class StepInput:
 
 
 def prepare_step(batch: list[ScheduledSeq], sample_rows: list[int]) -> StepInput:
-    """`batch` must list single-token rows (decodes) first, then multi-token chunks."""
+    """The step's inputs in the layout attention needs: single-token rows (decodes) first, then
+    multi-token chunks, each group in `batch`'s order; `sample_tokens` follow `sample_rows`."""
+    order = sorted(range(len(batch)), key=lambda i: batch[i].num_new_tokens != 1)
+    where = [0] * len(batch)  # batch row -> its row in the layout
+    for new, old in enumerate(order):
+        where[old] = new
+    batch = [batch[i] for i in order]
+    sample_rows = [where[i] for i in sample_rows]
     lens = [s.num_new_tokens for s in batch]
     starts = [s.seq.num_computed_tokens for s in batch]
     ids: list[int] = []
@@ -84,6 +92,9 @@ class ModelRunner:
     ):
         self.model, self.cfg, self.backend = model, cfg, backend
         self.page_size, self.device = page_size, device
+        self.num_pages = num_pages
+        self.kv_bytes_per_page = kv_bytes_per_page(cfg, page_size, dtype)
+        self.error: str | None = None  # one process cannot lose a peer
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
             (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
@@ -123,3 +134,6 @@ class ModelRunner:
         """Run one step; returns logits (the model's dtype) of the last new token of each
         `sample_rows` row."""
         return self.run(prepare_step(batch, sample_rows))
+
+    def shutdown(self) -> None:
+        pass

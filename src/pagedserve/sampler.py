@@ -1,6 +1,7 @@
 """Next-token choice for every sampling row of a step, as tensor code over the whole batch.
 
-Order per row: penalties -> (greedy argmax) -> temperature -> min-p, top-k, top-p -> draw.
+Order per row: token constraints (the step's grammar masks), penalties, min_tokens ->
+(greedy argmax) -> temperature -> min-p, top-k, top-p -> draw.
 Seeded rows draw from their own generator, so their tokens do not depend on the rest of the
 batch; the others share one draw over the batch.
 Logprobs are those of the model's raw distribution (before penalties and temperature), after

@@ -88,6 +88,7 @@ class Scheduler:
                 if not bm.allocate(seq, n, cached):
                     # max_model_len fits the pool, so this clears once running sequences finish.
                     break
+                seq.num_computed_tokens = seq.num_cached_tokens = len(cached) * bm.page_size
                 bm.record_prefix_query(seq.num_tokens, seq.num_cached_tokens)
                 self.waiting.popleft()
                 seq.status = SequenceStatus.RUNNING
@@ -101,7 +102,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -121,3 +122,4 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)
+        seq.num_computed_tokens = 0

@@ -51,21 +51,3 @@ class AttentionBackend(Protocol):
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
         """Write k/v to their slots, then attend each query over its sequence's pages."""
-
-
-def get_backend(name: str, device: torch.device) -> AttentionBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from pagedserve.attention.torch_backend import TorchAttentionBackend
-
-        return TorchAttentionBackend(fused=device.type == "cpu")
-    if name == "triton":
-        try:
-            from pagedserve.attention.triton_backend import TritonAttentionBackend
-        except ImportError as e:
-            raise ValueError(
-                "attention_backend 'triton' needs the triton package (pip install triton)"
-            ) from e
-        return TritonAttentionBackend(device)
-    raise ValueError(f"attention_backend {name!r} is not available (choose from: torch, triton)")

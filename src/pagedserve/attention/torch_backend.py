@@ -1,8 +1,9 @@
 """Paged attention for CPUs: fused C++ decode and prefill, torch SDPA for the rest.
 
 On CPU, new K/V rows are written and queries attend straight from the pages by the C++ kernels
-of pagedserve.cpu_kernels (no gathered copy, no padding): decodes always, prefill chunks in
-bfloat16 on CPUs with AMX (all of a step's chunks in one call). Elsewhere (this backend on a
+of pagedserve.cpu_kernels at every kernel level (no gathered copy, no padding): decodes, and
+prefill chunks with head sizes that are multiples of 16 (all of a step's chunks in one call).
+Elsewhere (this backend on a
 GPU, as a reference) decodes gather their pages for SDPA, grouped by length: padding every one
 to the longest multiplies the bytes gathered (a 900-token sequence among 200-token ones makes
 the step pay ~4x), so a new group starts where padding to the group's longest would waste more
@@ -166,7 +167,7 @@ class TorchAttentionBackend:
         rows = plan.prefill_rows
         if self.fused and rows and ops().prefill_attention_supported(q):
             # Every chunk at once from the pages (its own K/V written above), by the C++
-            # kernel (AMX, bf16).
+            # kernel.
             starts, lens = [r.start for r in rows], [r.q_len for r in rows]
             ops().prefill_attention_(
                 q[nd:], k_cache, v_cache, out[nd:], starts, lens,

@@ -14,8 +14,8 @@ import time
 import torch
 
 from pagedserve.bench.prompts import benchmark_prompts
-from pagedserve.cli import dataclass_from_args
 from pagedserve.config import EngineConfig
+from pagedserve.flags import dataclass_from_args
 from pagedserve.llm import LLM
 from pagedserve.models.loader import ModelSource, from_pretrained_args
 from pagedserve.sampling_params import SamplingParams

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import functools
 import json
 import math
 import random
@@ -33,12 +32,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import numpy as np
 import uvloop
 from tqdm import tqdm
 
-# The shipped prompt set lives in the repository's benchmarks/ folder (editable installs).
-DEFAULT_DATASET = Path(__file__).resolve().parents[3] / "benchmarks" / "prompts.jsonl"
+from pagedserve.bench.serve_client import RequestResult, fetch_model, send_plain, send_streaming
+from pagedserve.bench.serve_prompts import load_dataset, synthetic_prompts
+from pagedserve.bench.serve_report import LevelResult, format_table, plot, summarize
+
 WARMUP_TOKENS = 4
 
 
@@ -55,6 +55,7 @@ class BenchConfig:
     tokenizer: str | None = None  # for synthetic prompts; None: the default model's
     stream: bool = True
     ignore_eos: bool = True
+    min_tokens: bool = False  # also send min_tokens = max_tokens (llama.cpp ignores ignore_eos)
     seed: int = 0
     timeout_s: float = 3600.0
     api_key: str | None = None
@@ -63,109 +64,7 @@ class BenchConfig:
     structured: bool = False
 
 
-@dataclass
-class RequestResult:
-    ok: bool = False
-    latency_s: float = 0.0
-    ttft_s: float = 0.0
-    output_tokens: int = 0
-    prompt_tokens: int | None = None
-    itl_s: list[float] = field(default_factory=list)  # gaps between streamed token chunks
-    error: str = ""
-
-
-@dataclass
-class Percentiles:
-    mean: float
-    p50: float
-    p90: float
-    p99: float
-
-    @classmethod
-    def of(cls, values_s: list[float]) -> Percentiles | None:
-        if not values_s:
-            return None
-        ms = np.asarray(values_s) * 1000.0
-        p50, p90, p99 = np.percentile(ms, [50, 90, 99])
-        return cls(float(ms.mean()), float(p50), float(p90), float(p99))
-
-
-@dataclass
-class LevelResult:
-    concurrency: int
-    num_prompts: int
-    completed: int
-    errors: int
-    duration_s: float
-    input_tokens: int
-    output_tokens: int
-    output_throughput: float  # output tokens/s over the level's wall time
-    request_throughput: float  # completed requests/s
-    ttft_ms: Percentiles | None
-    tpot_ms: Percentiles | None  # None without streaming: there is no per-token timing
-    itl_ms: Percentiles | None
-    latency_ms: Percentiles | None  # end to end, per request
-    error_samples: list[str] = field(default_factory=list)
-
-
 # ---- prompts --------------------------------------------------------------------------------
-def load_dataset(path: str | None) -> list[str]:
-    """Prompts from a JSON-lines file, one object with a "prompt" field per line."""
-    p = Path(path) if path else DEFAULT_DATASET
-    if not p.is_file():
-        raise ValueError(f"dataset {str(p)!r} not found (pass --dataset FILE.jsonl)")
-    prompts = []
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(str(json.loads(line)["prompt"]))
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ValueError(f"{p}:{n}: expected a JSON object with a 'prompt'") from None
-    if not prompts:
-        raise ValueError(f"dataset {str(p)!r} holds no prompts")
-    return prompts
-
-
-def _word_tokens(tokenizer: Any) -> list[str]:
-    """Vocabulary entries ' word' that encode back to exactly one token.
-
-    Joined together, such pieces tokenize to exactly one token each (the pre-tokenizer splits at
-    the spaces), so a synthetic prompt of L pieces is L tokens long.
-    """
-    ids = list(range(len(tokenizer)))
-    special = set(tokenizer.all_special_ids)
-    texts = tokenizer.batch_decode([[i] for i in ids])
-    cands = [
-        (i, t)
-        for i, t in zip(ids, texts, strict=True)
-        if i not in special and len(t) > 2 and t[0] == " " and t[1:].isascii() and t[1:].isalpha()
-    ]
-    encoded = tokenizer([t for _, t in cands], add_special_tokens=False)["input_ids"]
-    words = [t for (i, t), enc in zip(cands, encoded, strict=True) if enc == [i]]
-    if len(words) < 100:
-        raise ValueError("the tokenizer has too few single-token words for synthetic prompts")
-    return words
-
-
-@functools.lru_cache(maxsize=2)
-def tokenizer_words(tokenizer_path: str | None) -> tuple[Any, list[str]]:
-    """The tokenizer (None: the default model's) and its single-token words; slow, so cached."""
-    from pagedserve.models.loader import ModelSource, load_tokenizer
-
-    tokenizer = load_tokenizer(ModelSource.resolve(tokenizer_path))
-    return tokenizer, _word_tokens(tokenizer)
-
-
-def synthetic_prompts(n: int, input_len: int, seed: int, tokenizer_path: str | None) -> list[str]:
-    if input_len < 1:
-        raise ValueError("--synthetic-input-len must be >= 1")
-    _, words = tokenizer_words(tokenizer_path)
-    rng = random.Random(seed)
-    return ["".join(rng.choices(words, k=input_len)) for _ in range(n)]
-
-
 def select_prompts(cfg: BenchConfig) -> list[str]:
     """num_prompts prompts, the same for every level and every server given the same seed."""
     if cfg.synthetic_input_len is not None:
@@ -211,117 +110,14 @@ def _payload(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True  # vLLM's extra; servers without it produce varying lengths
+    if cfg.min_tokens:
+        body["min_tokens"] = max_tokens
     if cfg.stream:
         body["stream_options"] = {"include_usage": True}
     return body
 
 
-# What a failed request raises: connection and protocol errors, timeouts, a malformed body.
-_REQUEST_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, ValueError)
-
-
-def _error_text(resp: aiohttp.ClientResponse, body: bytes) -> str:
-    try:
-        msg = json.loads(body)["error"]["message"]
-    except (ValueError, KeyError, TypeError):
-        msg = body[:200].decode("utf-8", "replace")
-    return f"HTTP {resp.status}: {msg}"
-
-
-async def send_streaming(client: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
-    res = RequestResult()
-    start = last = time.perf_counter()
-    chunks = 0
-    usage_tokens: int | None = None
-    try:
-        async with client.post(url, json=body) as resp:
-            if resp.status != 200:
-                res.error = _error_text(resp, await resp.read())
-                return res
-            async for line in resp.content:  # one SSE line at a time
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    break
-                now = time.perf_counter()
-                msg = json.loads(data)
-                if "error" in msg:  # an error after the stream started is reported in-band
-                    err = msg["error"]
-                    res.error = str(err.get("message", err) if isinstance(err, dict) else err)
-                    return res
-                choices = msg.get("choices") or []
-                # A chunk with a token: text, or no finish_reason (a token of a partial UTF-8
-                # character has empty text). An empty chunk carrying only finish_reason isn't.
-                if choices and (choices[0].get("text") or not choices[0].get("finish_reason")):
-                    if chunks == 0:
-                        res.ttft_s = now - start
-                    else:
-                        res.itl_s.append(now - last)
-                    last = now
-                    chunks += 1
-                if usage := msg.get("usage"):
-                    usage_tokens = usage.get("completion_tokens")
-                    res.prompt_tokens = usage.get("prompt_tokens")
-    except _REQUEST_ERRORS as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    res.latency_s = time.perf_counter() - start
-    # The server's own count when it sends usage; one token per chunk otherwise.
-    res.output_tokens = usage_tokens if usage_tokens is not None else chunks
-    res.ok = True
-    return res
-
-
-async def send_plain(client: aiohttp.ClientSession, url: str, body: dict) -> RequestResult:
-    res = RequestResult()
-    start = time.perf_counter()
-    try:
-        async with client.post(url, json=body) as resp:
-            content = await resp.read()
-        res.latency_s = res.ttft_s = time.perf_counter() - start  # nothing arrives earlier
-        if resp.status != 200:
-            res.error = _error_text(resp, content)
-            return res
-        usage = json.loads(content).get("usage") or {}
-    except _REQUEST_ERRORS as e:
-        res.error = f"{type(e).__name__}: {e}"
-        return res
-    if usage.get("completion_tokens") is None:
-        res.error = "the response has no usage.completion_tokens to count output tokens"
-        return res
-    res.output_tokens = int(usage["completion_tokens"])
-    res.prompt_tokens = usage.get("prompt_tokens")
-    res.ok = True
-    return res
-
-
 # ---- one concurrency level ------------------------------------------------------------------
-def summarize(
-    concurrency: int, results: list[RequestResult], duration_s: float, stream: bool
-) -> LevelResult:
-    good = [r for r in results if r.ok]
-    out_tokens = sum(r.output_tokens for r in good)
-    tpot = [(r.latency_s - r.ttft_s) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
-    errors = [r.error for r in results if not r.ok]
-    return LevelResult(
-        concurrency=concurrency,
-        num_prompts=len(results),
-        completed=len(good),
-        errors=len(errors),
-        duration_s=duration_s,
-        input_tokens=sum(r.prompt_tokens or 0 for r in good),
-        output_tokens=out_tokens,
-        output_throughput=out_tokens / duration_s if duration_s > 0 else 0.0,
-        request_throughput=len(good) / duration_s if duration_s > 0 else 0.0,
-        ttft_ms=Percentiles.of([r.ttft_s for r in good]),
-        tpot_ms=Percentiles.of(tpot) if stream else None,
-        itl_ms=Percentiles.of([x for r in good for x in r.itl_s]) if stream else None,
-        latency_ms=Percentiles.of([r.latency_s for r in good]),
-        error_samples=sorted(set(errors))[:5],
-    )
-
-
 Sender = Callable[[dict], Awaitable[RequestResult]]
 
 
@@ -371,15 +167,6 @@ async def run_level(
 def api_root(base_url: str) -> str:
     """Accept http://host:port, with or without a trailing /v1."""
     return base_url.rstrip("/").removesuffix("/v1")
-
-
-async def fetch_model(client: aiohttp.ClientSession, root: str) -> str:
-    try:
-        async with client.get(f"{root}/v1/models", raise_for_status=True) as resp:
-            return str(json.loads(await resp.read())["data"][0]["id"])
-    except (*_REQUEST_ERRORS, KeyError, IndexError) as e:
-        msg = f"cannot read a model id from {root}/v1/models ({e}); pass --model"
-        raise ValueError(msg) from None
 
 
 async def run_benchmark(
@@ -435,31 +222,6 @@ async def run_benchmark(
 
 
 # ---- output ---------------------------------------------------------------------------------
-def _pct(p: Percentiles | dict | None) -> str:
-    if p is None:
-        return "-"
-    d = dataclasses.asdict(p) if isinstance(p, Percentiles) else p
-    return f"{d['p50']:.0f} / {d['p90']:.0f} / {d['p99']:.0f}"
-
-
-def format_table(levels: list[LevelResult] | list[dict]) -> str:
-    """A Markdown table of the levels (results or their JSON form)."""
-    rows = [
-        "| concurrency | completed | errors | duration (s) | output tok/s | req/s "
-        "| TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for lv in levels:
-        d = dataclasses.asdict(lv) if isinstance(lv, LevelResult) else lv
-        rows.append(
-            f"| {d['concurrency']} | {d['completed']}/{d['num_prompts']} | {d['errors']} "
-            f"| {d['duration_s']:.1f} | {d['output_throughput']:.1f} "
-            f"| {d['request_throughput']:.2f} | {_pct(d['ttft_ms'])} | {_pct(d['tpot_ms'])} "
-            f"| {_pct(d['itl_ms'])} |"
-        )
-    return "\n".join(rows)
-
-
 def results_json(cfg: BenchConfig, model: str, levels: list[LevelResult]) -> dict[str, Any]:
     config = dataclasses.asdict(cfg)
     config.pop("api_key")
@@ -471,44 +233,6 @@ def results_json(cfg: BenchConfig, model: str, levels: list[LevelResult]) -> dic
         "config": config,
         "levels": [dataclasses.asdict(lv) for lv in levels],
     }
-
-
-def plot(series: dict[str, list[dict]], path: str, title: str = "") -> None:
-    """Output tokens/s and latency against concurrency, one line per server."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on servers and CI
-    import matplotlib.pyplot as plt
-
-    fig, (ax_tp, ax_lat) = plt.subplots(1, 2, figsize=(11, 4.2))
-    ticks = sorted({lv["concurrency"] for levels in series.values() for lv in levels})
-    for i, (name, levels) in enumerate(series.items()):
-        color = f"C{i}"
-        xs = [lv["concurrency"] for lv in levels]
-        ax_tp.plot(xs, [lv["output_throughput"] for lv in levels], "o-", color=color, label=name)
-        ttft = [lv["ttft_ms"]["p50"] if lv["ttft_ms"] else math.nan for lv in levels]
-        streamed = any(lv["tpot_ms"] for lv in levels)
-        label = f"{name} TTFT p50" if streamed else f"{name} latency p50 (not streamed)"
-        ax_lat.plot(xs, ttft, "o-", color=color, label=label)
-        if streamed:
-            tpot = [lv["tpot_ms"]["p50"] if lv["tpot_ms"] else math.nan for lv in levels]
-            ax_lat.plot(xs, tpot, "s--", color=color, label=f"{name} TPOT p50")
-    for ax in (ax_tp, ax_lat):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.minorticks_off()
-        ax.set_xlabel("concurrency (requests in flight)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
-    ax_tp.set_ylabel("output tokens/s")
-    ax_tp.set_ylim(bottom=0)
-    ax_lat.set_ylabel("latency (ms)")
-    ax_lat.set_yscale("log")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -530,6 +254,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         tokenizer=args.tokenizer,
         stream=args.stream,
         ignore_eos=args.ignore_eos,
+        min_tokens=args.min_tokens,
         seed=args.seed,
         timeout_s=args.timeout,
         api_key=args.api_key,

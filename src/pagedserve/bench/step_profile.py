@@ -1,8 +1,9 @@
 """`pagedserve bench step`: where a decode step's time goes, against the machine's matmul peak.
 
-For each batch size it fills the engine with that many requests, lets their prompts prefill,
-then times decode steps: the whole `engine.step()`, the model forward inside it (embedding to
-logits), and the rest (scheduling, batch tensors, sampling, detokenizing). The forward's
+For each batch size it fills the engine with that many requests (each with `--output-len`
+tokens already generated, prefilled with its prompt), lets them prefill, then times decode
+steps: the whole `engine.step()`, the model forward inside it (embedding to logits), and the
+rest (scheduling, batch tensors, sampling, detokenizing). The forward's
 achieved GFLOP/s counts the matrix products (2 x weights x tokens) and attention's two products
 over the context; the peak is a plain torch matmul of the same dtype, measured here too.
 """
@@ -16,9 +17,10 @@ import time
 
 import torch
 
-from pagedserve.cli import dataclass_from_args
+from pagedserve import detokenizer
 from pagedserve.config import EngineConfig
 from pagedserve.engine import LLMEngine
+from pagedserve.flags import dataclass_from_args
 from pagedserve.models.config import ModelConfig
 from pagedserve.sampling_params import SamplingParams
 
@@ -89,13 +91,18 @@ class _ForwardTimer:
         self.runner.model = self.model
 
 
-def profile_batch(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> StepProfile:
+def profile_batch(
+    engine: LLMEngine, batch: int, prompt_len: int, steps: int, output_len: int = 0
+) -> StepProfile:
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len + steps + 8, ignore_eos=True)
     ids = [[(7 * r + i) % (vocab - 1) + 1 for i in range(prompt_len)] for r in range(batch)]
     for r, prompt in enumerate(ids):
-        engine.add_request(f"profile-{batch}-{r}", prompt, params)
-    while any(s.num_computed_tokens < s.num_prompt_tokens for s in engine.scheduler.running) or (
+        state = engine.add_request(f"profile-{batch}-{r}", prompt, params)
+        for seq in state.seqs:  # as if generated: computed with the prompt, like a preemption's
+            seq.output_token_ids = [(5 * r + i) % (vocab - 1) + 1 for i in range(output_len)]
+            detokenizer.start(seq)
+    while any(s.num_computed_tokens < s.num_tokens - 1 for s in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
         engine.step()  # prefill
@@ -135,7 +142,7 @@ def run_step_profile(args: argparse.Namespace) -> int:
     )
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for batch in args.batch_sizes:
-        p = profile_batch(engine, batch, args.prompt_len, args.steps)
+        p = profile_batch(engine, batch, args.prompt_len, args.steps, args.output_len)
         print(
             f"| {p.batch} | {p.context} | {p.step_ms:.1f} | {p.forward_ms:.1f} | "
             f"{p.outside_share:.0%} | {p.forward_gflops:.1f} | {p.forward_gflops / peak:.0%} |"

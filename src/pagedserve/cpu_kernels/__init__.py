@@ -10,11 +10,13 @@ server start. Each source holds every level's code behind the compiler's feature
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 from types import ModuleType
@@ -25,7 +27,12 @@ logger = logging.getLogger(__name__)
 
 SOURCES = [
     Path(__file__).with_name(f)
-    for f in ("cpu_ops.cpp", "quant_linear.cpp", "prefill_attention.cpp")
+    for f in (
+        "cpu_ops.cpp",
+        "quant_linear.cpp",
+        "prefill_attention.cpp",
+        "prefill_attention_amx.cpp",
+    )
 ]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
@@ -45,20 +52,31 @@ def build_name(level: str, headers: list[Path] = HEADERS) -> str:
 @functools.cache
 def ops_for(level: str) -> ModuleType:
     """The kernels built for `level` (which this CPU must support)."""
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import get_default_build_root, load
 
     if shutil.which("ninja") is None:  # torch's builder runs `ninja` from PATH
         import ninja  # the pip package's binary, for a venv that is not activated
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    name = build_name(level)
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    build_dir = Path(root) / f"py{sys.version_info.major}{sys.version_info.minor}_cpu" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
-    module = load(
-        name=build_name(level),
-        sources=[str(p) for p in SOURCES],
-        extra_cflags=[*BASE_CFLAGS, *compile_flags(level)],
-        extra_ldflags=["-fopenmp", "-lm"],
-        verbose=False,
-    )
+    # torch's builder guards a build with a lock file that a killed build leaves behind, and
+    # every later start then waits on it forever. An flock, which dies with its process,
+    # serializes our builds instead; whoever holds it knows any lock file left is stale.
+    with open(build_dir / "pagedserve.flock", "w") as guard:
+        fcntl.flock(guard, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        module = load(
+            name=name,
+            sources=[str(p) for p in SOURCES],
+            extra_cflags=[*BASE_CFLAGS, *compile_flags(level)],
+            extra_ldflags=["-fopenmp", "-lm"],
+            build_directory=str(build_dir),
+            verbose=False,
+        )
     if module.kernel_level() != level:
         raise RuntimeError(f"the {level} build reports level {module.kernel_level()}")
     if (elapsed := time.monotonic() - start) > 2:

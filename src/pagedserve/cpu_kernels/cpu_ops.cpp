@@ -1,14 +1,16 @@
 // Fused CPU kernels for the hot path of a step: each reads its inputs once and writes once,
 // where the eager torch versions make several passes with casts between them. Math is in
-// float32 and results are rounded once to the tensor's dtype (to nearest even, as torch does).
-// Parallel loops use torch's own thread pool (at::parallel_for), so they share its threads.
-// Built with -O3 -march=native -ffast-math: the loops below are written so that the compiler
-// vectorizes them (bfloat16 converted by bit shifts, exp from glibc's vector math library);
-// fast-math allows that, so no code here relies on infinities or NaN.
+// float32 and results are rounded once to the tensor's dtype (convert.h). Parallel loops use
+// torch's own thread pool (at::parallel_for), so they share its threads. Built with -O3
+// -ffast-math and each level's -m flags (isa.py): the portable loops below are written so that
+// the compiler vectorizes them at every level (exp from glibc's vector math library); fast-math
+// allows that, so no code here relies on infinities or NaN. The AMX decode unit is the amx
+// level's alone.
 #include <torch/extension.h>
 
 #include "amx.h"
 #include "claims.h"
+#include "convert.h"
 #include "prefill_attention.h"
 #include "quant_linear.h"
 
@@ -24,29 +26,6 @@
 #include <vector>
 
 namespace {
-
-inline float to_f(float x) { return x; }
-inline float to_f(at::Half x) { return static_cast<float>(x); }
-inline float to_f(at::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-template <typename T>
-inline T from_f(float v);
-template <>
-inline float from_f<float>(float v) { return v; }
-template <>
-inline at::Half from_f<at::Half>(float v) { return static_cast<at::Half>(v); }
-template <>
-inline at::BFloat16 from_f<at::BFloat16>(float v) {
-  uint32_t bits;
-  std::memcpy(&bits, &v, sizeof bits);
-  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
-  return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
-}
 
 // Rows of at least this many elements of work are split across threads.
 constexpr int64_t kGrain = 16;
@@ -109,18 +88,6 @@ void rms_norm_rows(T* out, const T* in, const T* w, int64_t rows, int64_t h,
       for (int64_t i = 0; i < h; ++i) y[i] = from_f<T>(to_f(x[i]) * inv * to_f(w[i]));
     }
   });
-}
-
-// Calls fn(T{}) with T the C++ type of `dtype` (float, bfloat16 or half). A plain switch, not
-// AT_DISPATCH: the loop bodies carry `#pragma omp simd`, which a macro argument cannot hold.
-template <typename Fn>
-void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: fn(float{}); break;
-    case at::kBFloat16: fn(at::BFloat16{}); break;
-    case at::kHalf: fn(at::Half{}); break;
-    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
-  }
 }
 
 }  // namespace

@@ -1,263 +1,136 @@
 // Causal attention of prefill chunks over their KV pages (cached context and the chunk's own
-// rows), on Intel AMX. A unit is one chunk and KV head, handed out longest context first: its
-// keys are transposed once into B tiles and its values interleaved in pairs once, shared by
-// the KV head's query heads. Then for each query head and block of 16 queries: scores Q K^T in
-// tiles of 16 queries x 16 keys (only the blocks its queries see), a softmax per query in
-// float32 whose exponentials are rounded to bfloat16 unnormalised (as flash attention does),
-// P V in tiles of 16 x 16 dims, and each row divided by its sum at the end. On the reference
-// 2-core CPU, 32 chunks of 147 tokens of the default model (9 heads, 3 KV heads, head size 64)
-// take 1.85 ms in one call against 6.6 ms for torch's SDPA chunk by chunk, and a serving
-// wave's prefill 1.04 -> 0.90 s.
+// rows), every chunk of a step in one call. A unit is one chunk and KV head, handed out
+// longest context first to whichever thread is free; the amx level takes bf16 units of head
+// size 64 or 128 on AMX tiles (prefill_attention_amx.cpp), every other unit goes to the
+// portable unit below, which the compiler vectorizes at each level.
+//
+// The portable unit converts the unit's keys once to float32 in blocks of 16 keys transposed
+// ([block][dim][16]) and its values to float32 rows, both shared by the KV head's query heads.
+// Then for each query head and block of kRows queries: scores as register-blocked outer
+// products (kRows queries x 16 keys, one dim at a time, in vec.h's vectors), a softmax per query in float32 over
+// the keys it sees, and P V in blocks of kRows queries x 16 dims.
 #include "prefill_attention.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cstring>
+#include <cmath>
 #include <limits>
 
-#include "amx.h"
 #include "claims.h"
+#include "convert.h"
+#include "vec.h"
 
-#ifdef PAGEDSERVE_AMX
 namespace {
 
-constexpr int64_t kRows = 16;  // queries per block; keys per score tile
+constexpr int64_t kKeys = 16;  // keys per score block; dims per value block
+constexpr int64_t kRows = 4;   // queries per block: 2 x kRows accumulators of 8 lanes on AVX2
 
-// Per-thread buffers, reused unit after unit.
+constexpr int64_t kVecs = kKeys / kLanes;  // vectors a block row
+
 struct Scratch {
-  std::vector<uint32_t> keys;    // K^T as B tiles: [16-key block][32-dim step][16][16] pairs
-  std::vector<uint16_t> values;  // V as B tiles: [32-key block][16-dim column][16][32]
-  std::vector<float> scores;     // [16][ld]
-  std::vector<uint16_t> probs;   // [16][ld] bfloat16
-  alignas(64) uint16_t queries[kRows * 128];  // a partial last block, zero-padded
-  alignas(64) float out[kRows * 64];
+  std::vector<float> keys;    // [key block][dim][16], zeros past the last key
+  std::vector<float> values;  // [key][dim]
+  std::vector<float> scores;  // [kRows][ld]
 };
 
-// exp(x) for x <= 0 (a score minus its row's maximum), inline: 2^n 2^f with n = round(x log2 e),
-// |f| <= 1/2, 2^f by its degree-6 Taylor polynomial (relative error ~2e-7, far below the
-// bfloat16 rounding of probabilities). glibc's vector expf cost ~3x as much, and it hands
-// lanes below about -87 to its scalar path.
-inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.5403530e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Token t's row of one KV head in a paged cache [pages, page_size, Hk, D].
-struct PagedRows {
-  const at::BFloat16* cache;  // at the head's first dim
-  const int64_t* pages;
-  int64_t page_size, stride;  // stride: Hk * D
-  const at::BFloat16* at(int64_t t) const {
-    return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
-  }
-};
-
-// Tile (block b, step s), row r, pair lane c = dims 32s + 2r, +1 of key 16b + c; keys past n 0.
-template <int64_t D>
-void pack_keys(const PagedRows& k, int64_t n, uint32_t* out) {
-  constexpr int64_t kSteps = D / 32;
-  std::memset(out, 0, (n + kRows - 1) / kRows * kSteps * 256 * sizeof(uint32_t));
-  for (int64_t key = 0; key < n; ++key) {
-    const auto* pairs = reinterpret_cast<const uint32_t*>(k.at(key));
-    uint32_t* col = out + key / kRows * kSteps * 256 + key % kRows;
-    for (int64_t s = 0; s < kSteps; ++s) {
-      for (int64_t r = 0; r < 16; ++r) col[s * 256 + r * 16] = pairs[s * 16 + r];
-    }
-  }
-}
-
-// Tile (block b, column t), row r, lane 2c + p = dim 16t + c of key 32b + 2r + p; keys past n 0.
-template <int64_t D>
-void pack_values(const PagedRows& v, int64_t n, uint16_t* out) {
-  constexpr int64_t kCols = D / 16;
-  alignas(64) static const uint16_t zeros[D] = {};
-  __m512i lo_idx, hi_idx;  // interleave two rows' first 16 (lo) or last 16 (hi) of 32 dims
-  {
-    alignas(64) uint16_t lo[32], hi[32];
-    for (int c = 0; c < 16; ++c) {
-      lo[2 * c] = c, lo[2 * c + 1] = 32 + c;
-      hi[2 * c] = 16 + c, hi[2 * c + 1] = 48 + c;
-    }
-    lo_idx = _mm512_load_si512(lo);
-    hi_idx = _mm512_load_si512(hi);
-  }
-  for (int64_t key = 0; key < (n + 31) / 32 * 32; key += 2) {
-    const auto* a = key < n ? reinterpret_cast<const uint16_t*>(v.at(key)) : zeros;
-    const auto* b = key + 1 < n ? reinterpret_cast<const uint16_t*>(v.at(key + 1)) : zeros;
-    uint16_t* row = out + (key / 32 * kCols * 16 + key % 32 / 2) * 32;
-    for (int64_t g = 0; g < D / 32; ++g) {
-      const __m512i va = _mm512_loadu_si512(a + 32 * g), vb = _mm512_loadu_si512(b + 32 * g);
-      _mm512_storeu_si512(row + (2 * g) * 512, _mm512_permutex2var_epi16(va, lo_idx, vb));
-      _mm512_storeu_si512(row + (2 * g + 1) * 512, _mm512_permutex2var_epi16(va, hi_idx, vb));
-    }
-  }
-}
-
-// Scores of one block of 16 queries (q: its first row; rows of them real; the first at
-// position pos0) against keys [0, pos0 + rows), softmax per query (causal: query i sees keys
-// [0, pos0 + i]) over s.keys, written to s.probs [16][ld] as unnormalised bfloat16 with zeros
-// up to a multiple of 32 keys; inv_sum[i] = 1 / query i's sum.
-template <int64_t D>
-void block_probs(const at::BFloat16* q, int64_t q_stride, int64_t rows, int64_t pos0,
-                 float scale, int64_t ld, Scratch& s, float* inv_sum) {
-  constexpr int64_t kSteps = D / 32;
-  const int64_t keys = pos0 + rows;
-  const char* qa = reinterpret_cast<const char*>(q);
-  int64_t q_ld = q_stride * 2;
-  if (rows < kRows) {  // a tile load reads 16 rows: pad a partial block
-    std::memset(s.queries, 0, sizeof s.queries);
-    for (int64_t i = 0; i < rows; ++i) std::memcpy(s.queries + i * D, q + i * q_stride, 2 * D);
-    qa = reinterpret_cast<const char*>(s.queries);
-    q_ld = 2 * D;
-  }
-  // tmm0-3 queries (32 dims each); blocks of keys alternate between tmm4/tmm5 (keys, sums) and
-  // tmm7/tmm6, so that the tile unit does not wait for one block's sums to be stored.
-  _tile_loadd(0, qa, q_ld);
-  _tile_loadd(1, qa + 64, q_ld);
-  if constexpr (kSteps == 4) {
-    _tile_loadd(2, qa + 128, q_ld);
-    _tile_loadd(3, qa + 192, q_ld);
-  }
-  // (A macro: the tile intrinsics take tile numbers as literals.)
-#define PAGEDSERVE_KEY_BLOCK(kb, key, sum)                                \
-  do {                                                                    \
-    const uint32_t* kt = s.keys.data() + (kb) * kSteps * 256;             \
-    _tile_zero(sum);                                                      \
-    _tile_loadd(key, kt, 64);                                             \
-    _tile_dpbf16ps(sum, 0, key);                                          \
-    _tile_loadd(key, kt + 256, 64);                                       \
-    _tile_dpbf16ps(sum, 1, key);                                          \
-    if constexpr (kSteps == 4) {                                          \
-      _tile_loadd(key, kt + 512, 64);                                     \
-      _tile_dpbf16ps(sum, 2, key);                                        \
-      _tile_loadd(key, kt + 768, 64);                                     \
-      _tile_dpbf16ps(sum, 3, key);                                        \
-    }                                                                     \
-    _tile_stored(sum, s.scores.data() + (kb) * kRows, ld * sizeof(float)); \
-  } while (0)
-  for (int64_t kb = 0; kb * kRows < keys; kb += 2) {
-    PAGEDSERVE_KEY_BLOCK(kb, 4, 5);
-    if ((kb + 1) * kRows < keys) PAGEDSERVE_KEY_BLOCK(kb + 1, 7, 6);
-  }
-#undef PAGEDSERVE_KEY_BLOCK
-  const int64_t padded = (keys + 31) / 32 * 32;
-  for (int64_t i = 0; i < kRows; ++i) {
-    float* sc = s.scores.data() + i * ld;
-    const int64_t seen = i < rows ? pos0 + i + 1 : 0;
-    const auto lanes = [&](int64_t t) {  // the lanes of keys [t, t + 16) the query sees
-      return static_cast<__mmask16>(t + 16 <= seen ? 0xFFFF : (1u << (seen - t)) - 1);
-    };
-    __m512 mx = _mm512_set1_ps(std::numeric_limits<float>::lowest());
-    for (int64_t t = 0; t < seen; t += 16) {
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lanes(t), sc + t));
-    }
-    mx = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    const __m512 scale_v = _mm512_set1_ps(scale);
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < padded; t += 16) {
-      __m512 e = _mm512_setzero_ps();
-      if (t < seen) {
-        const __m512 x = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(sc + t), mx), scale_v);
-        e = _mm512_maskz_mov_ps(lanes(t), exp_nonpositive(x));
+// Scores of queries qf[kRows][d] (scaled) against key blocks [0, blocks) into scores rows.
+inline void block_scores(const float* qf, int64_t d, const float* keys, int64_t blocks,
+                         float* scores, int64_t ld) {
+  for (int64_t kb = 0; kb < blocks; ++kb) {
+    VecF acc[kRows][kVecs] = {};
+    const float* kt = keys + kb * d * kKeys;
+    for (int64_t dim = 0; dim < d; ++dim) {
+      VecF kv[kVecs];
+      for (int64_t c = 0; c < kVecs; ++c) kv[c] = load_vec(kt + dim * kKeys + c * kLanes);
+      for (int64_t i = 0; i < kRows; ++i) {
+        for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += qf[i * d + dim] * kv[c];
       }
-      sum = _mm512_add_ps(sum, e);
-      _mm512_storeu_ps(sc + t, e);
     }
-    inv_sum[i] = seen ? 1.f / _mm512_reduce_add_ps(sum) : 0.f;
-    uint16_t* p = s.probs.data() + i * ld;
-    for (int64_t t = 0; t < padded; t += 32) {
-      _mm512_storeu_si512(p + t, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(sc + t + 16),
-                                                              _mm512_loadu_ps(sc + t)));
-    }
-  }
-}
-
-// out rows [0, rows) (out: the block's first row) = s.probs [16][ld] x s.values, keys
-// [0, keys), each row times inv_sum.
-template <int64_t D>
-void block_values(int64_t ld, int64_t keys, const float* inv_sum, int64_t rows,
-                  at::BFloat16* out, int64_t out_stride, Scratch& s) {
-  constexpr int64_t kCols = D / 16;
-  // 64 dims at a time: tmm0-3 sums (16 dims each), tmm4 probabilities, tmm5 values.
-  for (int64_t half = 0; half < kCols / 4; ++half) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t b = 0; b * 32 < keys; ++b) {
-      const uint16_t* vt = s.values.data() + (b * kCols + half * 4) * 512;
-      _tile_loadd(4, s.probs.data() + b * 32, ld * 2);
-      _tile_loadd(5, vt, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      _tile_loadd(5, vt + 512, 64);
-      _tile_dpbf16ps(1, 4, 5);
-      _tile_loadd(5, vt + 1024, 64);
-      _tile_dpbf16ps(2, 4, 5);
-      _tile_loadd(5, vt + 1536, 64);
-      _tile_dpbf16ps(3, 4, 5);
-    }
-    _tile_stored(0, s.out, 256);
-    _tile_stored(1, s.out + 16, 256);
-    _tile_stored(2, s.out + 32, 256);
-    _tile_stored(3, s.out + 48, 256);
-    for (int64_t i = 0; i < rows; ++i) {
-      auto* dst = reinterpret_cast<__m256i*>(out + i * out_stride + half * 64);
-      const __m512 inv = _mm512_set1_ps(inv_sum[i]);
-      for (int64_t c = 0; c < 4; ++c) {
-        const __m512 o = _mm512_mul_ps(_mm512_loadu_ps(s.out + i * 64 + 16 * c), inv);
-        _mm256_storeu_si256(dst + c, (__m256i)_mm512_cvtneps_pbh(o));
+    for (int64_t i = 0; i < kRows; ++i) {
+      for (int64_t c = 0; c < kVecs; ++c) {
+        store_vec(scores + i * ld + kb * kKeys + c * kLanes, acc[i][c]);
       }
     }
   }
 }
 
-// One unit: the chunk's q_len queries (q: its first row at this KV head's first query head;
-// out likewise) are the last of its n_keys tokens, whose keys and values (this chunk's
-// included) are in the pages. Strides in elements between tokens.
-template <int64_t D>
-void chunk_head(const at::BFloat16* q, int64_t q_stride, const PagedRows& k, const PagedRows& v,
-                at::BFloat16* out, int64_t out_stride, int64_t q_len, int64_t n_keys, int64_t g,
-                float scale, Scratch& s) {
-  constexpr int64_t kSteps = D / 32, kCols = D / 16;
-  const int64_t ld = (n_keys + 31) / 32 * 32;  // scores and probabilities a row
-  s.keys.resize((n_keys + kRows - 1) / kRows * kSteps * 256);
-  s.values.resize(ld / 32 * kCols * 512);
+// In place over s[0, padded): exp(s - max) for keys [0, seen), 0 after; returns 1 / sum.
+inline float softmax_row(float* s, int64_t seen, int64_t padded) {
+  float mx = std::numeric_limits<float>::lowest();
+#pragma omp simd reduction(max : mx)
+  for (int64_t t = 0; t < seen; ++t) mx = s[t] > mx ? s[t] : mx;
+  float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t t = 0; t < seen; ++t) {
+    s[t] = std::exp(s[t] - mx);
+    sum += s[t];
+  }
+  std::fill(s + seen, s + padded, 0.f);
+  return 1.f / sum;
+}
+
+template <typename T>
+void unit_portable(const PrefillUnit<T>& u, Scratch& s) {
+  const int64_t d = u.d, n = u.n_keys, blocks = (n + kKeys - 1) / kKeys, ld = blocks * kKeys;
+  s.keys.assign(blocks * d * kKeys, 0.f);
+  s.values.resize(n * d);
   s.scores.resize(kRows * ld);
-  s.probs.resize(kRows * ld);
-  pack_keys<D>(k, n_keys, s.keys.data());
-  pack_values<D>(v, n_keys, s.values.data());
-  const int64_t blocks = (q_len + kRows - 1) / kRows, past = n_keys - q_len;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* kr = u.k.at(t);
+    const T* vr = u.v.at(t);
+    float* kt = s.keys.data() + (t / kKeys) * d * kKeys + t % kKeys;
+    float* vt = s.values.data() + t * d;
+    for (int64_t dim = 0; dim < d; ++dim) kt[dim * kKeys] = to_f(kr[dim]);
+#pragma omp simd
+    for (int64_t dim = 0; dim < d; ++dim) vt[dim] = to_f(vr[dim]);
+  }
+  const int64_t past = n - u.q_len;
+  std::vector<float> qf(kRows * d);
   float inv_sum[kRows];
-  for (int64_t idx = 0; idx < g * blocks; ++idx) {  // query heads x blocks of 16 queries
-    const int64_t j = idx / blocks, r0 = idx % blocks * kRows;
-    const int64_t rows = std::min(kRows, q_len - r0);
-    block_probs<D>(q + r0 * q_stride + j * D, q_stride, rows, past + r0, scale, ld, s, inv_sum);
-    block_values<D>(ld, past + r0 + rows, inv_sum, rows, out + r0 * out_stride + j * D,
-                    out_stride, s);
+  for (int64_t j = 0; j < u.g; ++j) {
+    for (int64_t r0 = 0; r0 < u.q_len; r0 += kRows) {
+      const int64_t rows = std::min(kRows, u.q_len - r0);
+      std::fill(qf.begin(), qf.end(), 0.f);
+      for (int64_t i = 0; i < rows; ++i) {
+        const T* qr = u.q + (r0 + i) * u.q_stride + j * d;
+        for (int64_t dim = 0; dim < d; ++dim) qf[i * d + dim] = to_f(qr[dim]) * u.scale;
+      }
+      const int64_t seen_last = past + r0 + rows;  // keys the block's last query sees
+      const int64_t used = (seen_last + kKeys - 1) / kKeys;
+      block_scores(qf.data(), d, s.keys.data(), used, s.scores.data(), ld);
+      for (int64_t i = 0; i < kRows; ++i) {
+        float* row = s.scores.data() + i * ld;
+        inv_sum[i] = i < rows ? softmax_row(row, past + r0 + i + 1, seen_last) : 0.f;
+        if (i >= rows) std::fill(row, row + seen_last, 0.f);
+      }
+      for (int64_t c0 = 0; c0 < d; c0 += kKeys) {
+        VecF acc[kRows][kVecs] = {};
+        for (int64_t t = 0; t < seen_last; ++t) {
+          VecF vv[kVecs];
+          for (int64_t c = 0; c < kVecs; ++c) vv[c] = load_vec(s.values.data() + t * d + c0 + c * kLanes);
+          for (int64_t i = 0; i < kRows; ++i) {
+            const float p = s.scores[i * ld + t];
+            for (int64_t c = 0; c < kVecs; ++c) acc[i][c] += p * vv[c];
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          T* o = u.out + (r0 + i) * u.out_stride + j * d + c0;
+          for (int64_t l = 0; l < kKeys; ++l) {
+            o[l] = from_f<T>(acc[i][l / kLanes][l % kLanes] * inv_sum[i]);
+          }
+        }
+      }
+    }
   }
 }
 
 }  // namespace
-#endif
 
 bool prefill_attention_supported(const at::Tensor& q) {
-#ifdef PAGEDSERVE_AMX
-  return amx_available() && q.scalar_type() == at::kBFloat16 && q.dim() == 3 &&
-         (q.size(2) == 64 || q.size(2) == 128);
-#else
-  return false;
-#endif
+  const auto dtype = q.scalar_type();
+  return q.dim() == 3 && q.size(2) % kKeys == 0 &&
+         (dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf);
 }
 
 void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
@@ -265,7 +138,8 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                         const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
                         const at::Tensor& context_lens, const at::Tensor& block_tables,
                         double scale) {
-  TORCH_CHECK(prefill_attention_supported(q), "prefill attention: bf16, head size 64 or 128, AMX");
+  TORCH_CHECK(prefill_attention_supported(q),
+              "prefill attention: float32, bf16 or float16, head size a multiple of 16");
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&q, &out}) {
     TORCH_CHECK(t->dim() == 3 && t->scalar_type() == q.scalar_type() && t->size(0) == q.size(0) &&
                     t->size(1) == q.size(1) && t->size(2) == q.size(2) && t->stride(2) == 1 &&
@@ -291,29 +165,46 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                     lens[c] <= contexts[c] && contexts[c] <= width * page,
                 "prefill attention: chunk ", c, " out of range");
   }
-#ifdef PAGEDSERVE_AMX
   const int64_t hq = q.size(1), hk = k_cache.size(2), g = hq / hk, d = q.size(2);
   const std::vector<int64_t> order = longest_first(contexts, chunks, hk);
-  const auto* qp = q.data_ptr<at::BFloat16>();
-  const auto* kc = k_cache.data_ptr<at::BFloat16>();
-  const auto* vc = v_cache.data_ptr<at::BFloat16>();
-  auto* op = out.data_ptr<at::BFloat16>();
-  const auto unit = d == 64 ? chunk_head<64> : chunk_head<128>;
-  Claims claims(chunks * hk, 1);
-  at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
-    _tile_loadconfig(&tile_config());
-    thread_local Scratch scratch;
-    for (int64_t begin, end; claims.next(begin, end);) {
-      for (int64_t i = begin; i < end; ++i) {
-        const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
-        const PagedRows k{kc + h * d, tables + c * width, page, hk * d};
-        const PagedRows v{vc + h * d, tables + c * width, page, hk * d};
-        unit(qp + row * q.stride(0) + h * g * d, q.stride(0), k, v,
-             op + row * out.stride(0) + h * g * d, out.stride(0), lens[c], contexts[c], g,
-             static_cast<float>(scale), scratch);
-      }
-    }
-    _tile_release();
-  });
+#ifdef PAGEDSERVE_AMX
+  const bool amx = prefill_unit_amx_supported(q);
 #endif
+  dispatch(q.scalar_type(), "prefill_attention", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const auto* qp = q.data_ptr<scalar_t>();
+    const auto* kc = k_cache.data_ptr<scalar_t>();
+    const auto* vc = v_cache.data_ptr<scalar_t>();
+    auto* op = out.data_ptr<scalar_t>();
+    Claims claims(chunks * hk, 1);
+    at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
+      thread_local Scratch scratch;
+      for (int64_t begin, end; claims.next(begin, end);) {
+        for (int64_t i = begin; i < end; ++i) {
+          const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
+          const PrefillUnit<scalar_t> u{
+              qp + row * q.stride(0) + h * g * d,
+              q.stride(0),
+              {kc + h * d, tables + c * width, page, hk * d},
+              {vc + h * d, tables + c * width, page, hk * d},
+              op + row * out.stride(0) + h * g * d,
+              out.stride(0),
+              lens[c],
+              contexts[c],
+              g,
+              d,
+              static_cast<float>(scale)};
+#ifdef PAGEDSERVE_AMX
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+            if (amx) {
+              prefill_unit_amx(u);
+              continue;
+            }
+          }
+#endif
+          unit_portable(u, scratch);
+        }
+      }
+    });
+  });
 }

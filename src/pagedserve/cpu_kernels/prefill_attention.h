@@ -1,11 +1,15 @@
-// Causal attention of prefill chunks over their pages (prefill_attention.cpp).
+// Causal attention of prefill chunks over their pages (prefill_attention.cpp; the AMX unit in
+// prefill_attention_amx.cpp).
 #pragma once
 
 #include <torch/extension.h>
 
+#include <cstdint>
 #include <vector>
 
-// Whether prefill_attention_ serves queries of q's dtype and head size [T, Hq, D] on this CPU.
+#include "isa.h"
+
+// Whether prefill_attention_ serves queries of q's dtype and head size [T, Hq, D] here.
 bool prefill_attention_supported(const at::Tensor& q);
 
 // out = causal attention of prefill chunks over their pages: chunk i's queries are rows
@@ -18,3 +22,33 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                         const std::vector<int64_t>& starts, const std::vector<int64_t>& lens,
                         const at::Tensor& context_lens, const at::Tensor& block_tables,
                         double scale);
+
+// Token t's row of one KV head in a paged cache [pages, page_size, Hk, D].
+template <typename T>
+struct PagedRows {
+  const T* cache;  // at the head's first dim
+  const int64_t* pages;
+  int64_t page_size, stride;  // stride: Hk * D
+  const T* at(int64_t t) const {
+    return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
+  }
+};
+
+// One unit of work: a chunk's q_len queries of the g query heads sharing one KV head (q: its
+// first row at the first of those heads; out likewise; strides in elements between tokens),
+// the last q_len of its n_keys tokens, whose keys and values are in the pages.
+template <typename T>
+struct PrefillUnit {
+  const T* q;
+  int64_t q_stride;
+  PagedRows<T> k, v;
+  T* out;
+  int64_t out_stride, q_len, n_keys, g, d;
+  float scale;
+};
+
+#ifdef PAGEDSERVE_AMX
+// Whether the AMX unit serves q (bf16, head size 64 or 128, AMX granted by Linux).
+bool prefill_unit_amx_supported(const at::Tensor& q);
+void prefill_unit_amx(const PrefillUnit<at::BFloat16>& u);
+#endif

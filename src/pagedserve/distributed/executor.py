@@ -1,8 +1,8 @@
 """The engine's side of tensor parallelism: rank 0 in the engine's process, workers beside it.
 
-`TensorParallelExecutor` stands where a `ModelRunner` stands (`execute(batch, sample_rows)` ->
-logits): it broadcasts each step's inputs once, runs rank 0's shard, and returns the logits
-gathered to rank 0. Ranks 1..N-1 are spawned on this host, or started by torchrun (multi-node).
+`TensorParallelExecutor` is an `Executor` (executor.py), as a `ModelRunner` is: it broadcasts
+each step's inputs once, runs rank 0's shard, and returns the logits gathered to rank 0.
+Ranks 1..N-1 are spawned on this host, or started by torchrun (multi-node).
 
 Faults: a monitor thread notices a spawned worker's exit within a second, and heartbeats (a
 broadcast plus a one-element all-reduce, every second while idle) notice a lost or hung peer
@@ -37,17 +37,17 @@ from pagedserve.distributed.worker import (
     HEARTBEAT,
     STOP,
     Rank,
-    RankSpec,
     WorkerArgs,
     load_rank,
     message,
     pack_step,
     worker_main,
 )
+from pagedserve.loading import LoadSpec
 from pagedserve.model_runner import prepare_step
 from pagedserve.scheduler import ScheduledSeq
 
-__all__ = ["EngineDeadError", "RankSpec", "TensorParallelExecutor"]
+__all__ = ["EngineDeadError", "TensorParallelExecutor"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class EngineDeadError(RuntimeError):
 
 
 class TensorParallelExecutor:
-    def __init__(self, spec: RankSpec):
+    def __init__(self, spec: LoadSpec):
         config = spec.config
         size = config.tensor_parallel_size
         ShardPlan.check(spec.model_config, size)  # a clear ValueError before any process starts
@@ -105,8 +105,9 @@ class TensorParallelExecutor:
         except BaseException:
             self.shutdown()
             raise
-        self.num_pages = self.rank.num_pages
-        self.kv_bytes_per_page = self.rank.kv_bytes_per_page
+        self.num_pages = self.rank.runner.num_pages
+        self.kv_bytes_per_page = self.rank.runner.kv_bytes_per_page
+        self.backend = self.rank.runner.backend
         self._monitor = threading.Thread(
             target=self._watch, name="pagedserve-tp-monitor", daemon=True
         )

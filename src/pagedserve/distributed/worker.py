@@ -20,7 +20,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve.attention import get_backend
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.group import (
     TPGroup,
@@ -30,9 +29,8 @@ from pagedserve.distributed.group import (
     rank_device,
 )
 from pagedserve.distributed.sharding import ShardPlan
-from pagedserve.model_runner import ModelRunner, StepInput, kv_bytes_per_page
-from pagedserve.models.config import ModelConfig
-from pagedserve.models.loader import ModelSource, load_model
+from pagedserve.loading import LoadSpec, load_runner
+from pagedserve.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -42,25 +40,9 @@ HEADER_LEN = 5  # kind, tokens, rows, block-table width, sampled tokens
 
 
 @dataclass
-class RankSpec:
-    """What every rank needs to load its shard; rank 0 (the engine) sends it to the others."""
-
-    config: EngineConfig
-    source: ModelSource
-    model_config: ModelConfig
-    dtype: torch.dtype
-    device_type: str
-    max_positions: int
-    keep_quant: bool = False
-
-
-@dataclass
 class Rank:
     group: TPGroup
-    plan: ShardPlan
     runner: ModelRunner
-    num_pages: int
-    kv_bytes_per_page: int
 
 
 @dataclass
@@ -121,29 +103,15 @@ def default_threads(config: EngineConfig, device_type: str, rank: int, size: int
     return max(1, len(os.sched_getaffinity(0)) // local_size)
 
 
-def load_rank(spec: RankSpec, group: TPGroup) -> Rank:
-    """Load this rank's shard, then size the KV pool: every rank holds the same number of pages
-    (they share the block tables), the most that fits on every rank."""
-    config, cfg = spec.config, spec.model_config
-    threads = default_threads(config, spec.device_type, group.rank, group.size)
+def load_rank(spec: LoadSpec, group: TPGroup) -> Rank:
+    """Load this rank's shard and its KV pages (as many on every rank)."""
+    threads = default_threads(spec.config, spec.device_type, group.rank, group.size)
     if threads:
         torch.set_num_threads(threads)
-    plan = ShardPlan.for_rank(cfg, group.size, group.rank)
-    local = plan.local_config(cfg)
-    device, dtype = group.device, spec.dtype
-    backend = get_backend(config.attention_backend, device)
-    model = load_model(
-        spec.source, cfg, backend, dtype, device, spec.max_positions, spec.keep_quant, tp=group
-    )
-    from pagedserve.engine import kv_budget_bytes  # the engine imports this module lazily
-
-    per_page = kv_bytes_per_page(local, config.block_size, dtype)
-    num_pages = group.min_int(kv_budget_bytes(config, model, local, dtype, device) // per_page)
-    if num_pages < 1:
-        raise ValueError("kv_cache_memory is too small for a single KV page")
-    runner = ModelRunner(model, local, backend, num_pages, config.block_size, dtype, device)
-    _log_memory(group, plan, model, threads)
-    return Rank(group, plan, runner, num_pages, per_page)
+    runner = load_runner(spec, group.device, tp=group)
+    plan = ShardPlan.for_rank(spec.model_config, group.size, group.rank)
+    _log_memory(group, plan, runner.model, threads)
+    return Rank(group, runner)
 
 
 def _log_memory(
@@ -203,7 +171,7 @@ def run_worker(
     """A worker's life: join the group, receive the spec, load, serve steps. The exit status."""
     try:
         group = init_group(rank, size, rank_device(device_type, rank, size), timeout_s, store)
-        received: list[RankSpec | None] = [None]
+        received: list[LoadSpec | None] = [None]
         dist.broadcast_object_list(received, src=0, group=group.cpu_group)
         spec = received[0]
         assert spec is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -111,8 +112,15 @@ def _field(reader: GGUFReader, key: str, default=None):
     return default if f is None else f.contents()
 
 
+@functools.lru_cache(maxsize=1)
+def _reader(path: str) -> GGUFReader:
+    """One parse of a file for its config and then its weights (iter_weights drops it): the
+    metadata, a vocabulary's strings read field by field, is most of a GGUF's parse."""
+    return GGUFReader(path)
+
+
 def read_config(path: str) -> ModelConfig:
-    reader = GGUFReader(path)
+    reader = _reader(path)
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
@@ -201,7 +209,7 @@ def iter_weights(
     """HF-named weights; with keep_quant, Q4_0/Q4_1/Q8_0 matrices come as QuantWeight (codes
     + dense).
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
-    reader = GGUFReader(path)
+    reader = _reader(path)
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -226,3 +234,4 @@ def iter_weights(
         if cut is not None:
             array = array[cut.start : cut.stop] if cut.dim == 0 else array[:, cut.start : cut.stop]
         yield name, torch.from_numpy(array if heads is None else _unpermute(array, heads))
+    _reader.cache_clear()  # every weight is copied out: let the file's mapping go

@@ -56,7 +56,7 @@ class Embedding(nn.Embedding):
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.rows(ids)
+            return self.packed.rows(ids, self.weight.dtype)
         return F.embedding(ids, self.weight)
 
     def use_packed(self, packed: PackedWeight) -> None:

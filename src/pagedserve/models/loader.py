@@ -6,10 +6,12 @@ import contextlib
 import ctypes
 import gc
 import glob
+import hashlib
 import importlib.util
 import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -84,9 +86,33 @@ def from_pretrained_args(source: ModelSource) -> tuple[str, dict[str, str]]:
     return source.path, {}
 
 
+def tokenizer_cache_dir(source: ModelSource) -> str:
+    """Where a GGUF's tokenizer, once converted, is kept: keyed by the file's path, size and
+    modification time, under $XDG_CACHE_HOME (~/.cache) like the CPU kernels."""
+    st = os.stat(source.path)
+    key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(root, "pagedserve", "tokenizers", f"{source.name}-{key[:16]}")
+
+
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
+    """The model's tokenizer. transformers builds a GGUF's from the file's metadata, which
+    takes a parse of the whole file (most of a start-up): the result is saved once and later
+    starts load that copy."""
+    if source.kind == "gguf":
+        cached = tokenizer_cache_dir(source)
+        if os.path.exists(os.path.join(cached, "tokenizer.json")):
+            return AutoTokenizer.from_pretrained(cached)
     directory, kwargs = from_pretrained_args(source)
-    return AutoTokenizer.from_pretrained(directory, **kwargs)
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    if source.kind == "gguf":
+        partial = f"{cached}.{os.getpid()}.tmp"
+        try:
+            tokenizer.save_pretrained(partial)
+            os.replace(partial, cached)  # whole or not at all, for concurrent starts
+        except OSError:  # a read-only home, or another start got there first
+            shutil.rmtree(partial, ignore_errors=True)
+    return tokenizer
 
 
 def _safetensors_files(directory: str) -> list[str]:

@@ -4,7 +4,6 @@ cpu_kernels/quant_linear.cpp: a decode step reads 4-5 bits per weight (Q4_0/Q4_1
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -15,12 +14,10 @@ TILE_COLS = 16  # output columns per packed tile
 STRIP_COLS = 32  # output columns a kernel thread takes at a time
 
 
-@functools.cache
-def packed_kernels_available() -> bool:
-    """Whether this CPU runs the packed kernels (AMX and AVX-512 bf16)."""
-    from pagedserve.cpu_kernels import ops
-
-    return bool(ops().amx_available())
+def packed_kernels_available(dtype: torch.dtype) -> bool:
+    """Whether the packed kernels take activations of `dtype`: float32 and bfloat16, at every
+    CPU kernel level (bfloat16 computed in float32 where the level has no bf16 products)."""
+    return dtype in (torch.float32, torch.bfloat16)
 
 
 def packable(parts: list[QuantWeight]) -> bool:
@@ -83,9 +80,11 @@ class PackedWeight:
 
         return ops().quant_linear(x, *self.kernel_args(bias))
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the matrix as bf16 (an embedding lookup)."""
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the matrix as `dtype` (an embedding lookup)."""
         from pagedserve.cpu_kernels import ops
 
-        flat = ops().quant_rows(ids.reshape(-1), self.codes, self.scales, self.offsets, self.bits)
+        flat = ops().quant_rows(
+            ids.reshape(-1), self.codes, self.scales, self.offsets, self.bits, dtype
+        )
         return flat.view(*ids.shape, flat.shape[-1])

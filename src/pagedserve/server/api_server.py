@@ -10,11 +10,9 @@ grace period, aborts what is left, and exits 0.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import signal
-import threading
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -30,23 +28,19 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve import __version__
-from pagedserve.async_engine import AsyncEngine
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
 from pagedserve.engine import LLMEngine
-from pagedserve.models.loader import use_one_malloc_arena
+from pagedserve.server import chat, completions
 from pagedserve.server import protocol as P
+from pagedserve.server.completions import PROTOCOL
 from pagedserve.server.config import ServerConfig
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.grpc_server import start_grpc_server
+from pagedserve.server.http_stream import ClientGone, SlotStreamingResponse
 from pagedserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from pagedserve.server.serving import (
-    PROTOCOL,
-    ClientGone,
-    OpenAIServing,
-    Slot,
-    SlotStreamingResponse,
-)
+from pagedserve.server.serving import OpenAIServing
+from pagedserve.server.state import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -66,160 +60,30 @@ _ENDPOINTS = {
 CLIENT_CLOSED = 499
 
 
-class ServerState:
-    """Everything the routes share; one per app (no module globals)."""
-
-    def __init__(self, config: ServerConfig, load_engine: Callable[[], LLMEngine]):
-        self.config = config
-        self.load_engine = load_engine
-        self.async_engine: AsyncEngine | None = None
-        self.serving: OpenAIServing | None = None
-        self.load_error: BaseException | None = None
-        self.engine_error: str | None = None  # why the engine can run no more steps
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.draining = False
-        self.in_flight = 0
-        self.created = int(time.time())
-        self.metrics = ServerMetrics(
-            lambda: self.async_engine.stats() if self.async_engine is not None else None
-        )
-        # Set by run_server: asks uvicorn to stop (used when the model fails to load).
-        self.request_exit: Callable[[], None] = lambda: None
-
-    # ---- engine loading (in a thread, so /health answers meanwhile) ----------------------
-    def start_loading(self) -> None:
-        loop = self.loop = asyncio.get_running_loop()
-
-        def load() -> None:
-            try:
-                engine = self.load_engine()
-            except BaseException as e:  # noqa: BLE001 - reported on the loop, then exit
-                loop.call_soon_threadsafe(self._load_failed, e)
-                return
-            loop.call_soon_threadsafe(self._loaded, engine)
-
-        use_one_malloc_arena()
-        threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
-
-    def _loaded(self, engine: LLMEngine) -> None:
-        cfg = self.config
-        self.async_engine = AsyncEngine(engine, cfg.log_interval_seconds)
-        self.async_engine.start(self.loop)
-        self._watchdog = asyncio.ensure_future(self._watch_engine(engine))
-        name = cfg.served_model_name or engine.model_name
-        self.serving = OpenAIServing(self.async_engine, name, self.metrics)
-        s = engine.stats()
-        page = engine.block_manager.page_size
-        logger.info(
-            "Serving %s as '%s' (%s on %s), KV cache %d pages x %d tokens = %d tokens, "
-            "max model len %d, on http://%s:%d",
-            engine.model_name,
-            name,
-            str(engine.dtype).removeprefix("torch."),
-            engine.device,
-            s.kv_pages_total,
-            page,
-            s.kv_pages_total * page,
-            engine.max_model_len,
-            cfg.host,
-            cfg.port,
-        )
-
-    async def _watch_engine(self, engine: LLMEngine) -> None:
-        """Exit (status 1) once the engine can run no more steps: a tensor-parallel rank died."""
-        while (reason := engine.dead_reason()) is None:
-            await asyncio.sleep(0.5)
-        logger.error("the engine is dead (%s): exiting", reason)
-        self.engine_error = reason
-        self.request_exit()
-
-    def _load_failed(self, e: BaseException) -> None:
-        logger.error("model failed to load: %s: %s", type(e).__name__, e)
-        self.load_error = e
-        self.request_exit()
-
-    # ---- admission -----------------------------------------------------------------------
-    def ready(self) -> OpenAIServing:
-        if self.draining:
-            raise APIError(
-                503,
-                "the server is shutting down",
-                code="shutting_down",
-                headers={"Retry-After": "5"},
-            )
-        if self.engine_error is not None:
-            raise APIError(503, f"the engine is dead: {self.engine_error}", code="engine_dead")
-        if self.serving is None:
-            msg = "the model failed to load" if self.load_error else "the model is still loading"
-            raise APIError(503, msg, code="model_loading", headers={"Retry-After": "5"})
-        return self.serving
-
-    def admit(self, protocol: str = PROTOCOL) -> Slot:
-        if self.in_flight >= self.config.max_concurrent_requests:
-            self.metrics.rejected.labels(protocol, "concurrency").inc()
-            raise APIError(
-                429,
-                f"too many requests in flight (limit {self.config.max_concurrent_requests}); "
-                "retry later",
-                code="rate_limit_exceeded",
-                headers={"Retry-After": "1"},
-            )
-        self.in_flight += 1
-        gauge = self.metrics.in_flight.labels(protocol)
-        gauge.inc()
-
-        def release() -> None:
-            self.in_flight -= 1
-            gauge.dec()
-
-        return Slot(release)
-
-    async def read_body(self, request: Request, model: type[M]) -> M:
-        limit = self.config.max_request_body_bytes
-        too_large = APIError(
-            413,
-            f"request body is larger than the limit of {limit} bytes",
-            code="request_too_large",
-        )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limit:
+async def read_body(request: Request, model: type[M], limit: int) -> M:
+    too_large = APIError(
+        413,
+        f"request body is larger than the limit of {limit} bytes",
+        code="request_too_large",
+    )
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
             raise too_large
-        body = bytearray()
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > limit:
-                raise too_large
-        try:
-            data = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise bad_request(f"the body is not valid JSON: {e}") from None
-        if not isinstance(data, dict):
-            raise bad_request("the body must be a JSON object")
-        try:
-            return model.model_validate(data)
-        except ValidationError as e:
-            raise from_validation_error(e) from None
-
-    # ---- SIGTERM -------------------------------------------------------------------------
-    async def drain(self) -> None:
-        """Stop admitting, let in-flight requests finish within the grace period, abort the rest."""
-        self.draining = True
-        loop = asyncio.get_running_loop()
-        grace = self.config.shutdown_grace_seconds
-        logger.info(
-            "shutting down: refusing new requests, %d in flight, grace %.0f s",
-            self.in_flight,
-            grace,
-        )
-        deadline = loop.time() + grace
-        while self.in_flight and loop.time() < deadline:
-            await asyncio.sleep(0.05)
-        if self.in_flight and self.async_engine is not None:
-            logger.warning("grace period over: aborting %d requests in flight", self.in_flight)
-            self.async_engine.abort_all()
-            deadline = loop.time() + 5.0
-            while self.in_flight and loop.time() < deadline:
-                await asyncio.sleep(0.05)
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
 
 
 class _StatusMetrics:
@@ -265,9 +129,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
         yield
         if grpc_server is not None:
             await grpc_server.stop()
-        if state.async_engine is not None:
-            state.async_engine.shutdown()
-            state.async_engine.engine.shutdown()  # tensor-parallel workers, if any
+        await state.shutdown()
 
     app = FastAPI(
         title="pagedserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None
@@ -305,7 +167,8 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
 
     @app.get("/version")
     async def version() -> JSONResponse:
-        on_cpu = state.async_engine.engine.device.type == "cpu"
+        engine = state.async_engine  # None while the model loads
+        on_cpu = engine is not None and engine.engine.device.type == "cpu"
         level = isa.kernel_level() if on_cpu else None
         return JSONResponse({"version": __version__, "cpu_kernel_level": level})
 
@@ -315,13 +178,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
 
     # ---- routes behind the API key -----------------------------------------------------
     async def require_api_key(request: Request) -> None:
-        key = config.api_key
-        if key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        ):
+        if not state.authorized(request.headers.get("authorization", "")):
             raise APIError(
                 401,
                 "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -354,9 +211,9 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
     async def generation(request: Request, model: type[M], handler) -> Response:
         arrival = time.monotonic()
         serving = state.ready()
-        slot = state.admit()
+        slot = state.admit(PROTOCOL)
         try:
-            req = await state.read_body(request, model)
+            req = await read_body(request, model, config.max_request_body_bytes)
             response = await handler(serving, req, request, slot, arrival)
             # A streaming response owns its slot from here on and frees it when it ends.
             slot.handed_off = isinstance(response, SlotStreamingResponse)
@@ -369,16 +226,16 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
 
     @api.post("/v1/completions")
     async def create_completion(request: Request) -> Response:
-        return await generation(request, P.CompletionRequest, OpenAIServing.completions)
+        return await generation(request, P.CompletionRequest, completions.create_completion)
 
     @api.post("/v1/chat/completions")
     async def create_chat_completion(request: Request) -> Response:
-        return await generation(request, P.ChatCompletionRequest, OpenAIServing.chat)
+        return await generation(request, P.ChatCompletionRequest, chat.create_chat_completion)
 
     @api.post("/tokenize")
     async def tokenize(request: Request) -> Response:
         serving = state.ready()
-        req = await state.read_body(request, P.TokenizeRequest)
+        req = await read_body(request, P.TokenizeRequest, config.max_request_body_bytes)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise bad_request("give exactly one of prompt or messages", "prompt")
@@ -394,7 +251,7 @@ def create_app(config: ServerConfig, load_engine: Callable[[], LLMEngine]) -> Fa
     @api.post("/detokenize")
     async def detokenize(request: Request) -> Response:
         serving = state.ready()
-        req = await state.read_body(request, P.DetokenizeRequest)
+        req = await read_body(request, P.DetokenizeRequest, config.max_request_body_bytes)
         serving.check_model(req.model)
         vocab = serving.engine.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in req.tokens):

@@ -7,6 +7,8 @@ import json
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from pagedserve.async_engine import DuplicateRequestError, EngineStepError
+
 _TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -57,6 +59,17 @@ class APIError(Exception):
     def sse(self) -> str:
         """The error as one server-sent event (for failures after a stream has started)."""
         return f"data: {json.dumps(self.body())}\n\n"
+
+
+def engine_error(e: Exception) -> APIError:
+    """An engine request's failure, as the client sees it."""
+    if isinstance(e, DuplicateRequestError):
+        return APIError(409, str(e), param="request_id")
+    if isinstance(e, ValueError):
+        return bad_request(str(e))
+    if isinstance(e, EngineStepError):
+        return APIError(500, str(e), code="engine_error")
+    return APIError(500, f"internal error: {type(e).__name__}: {e}")
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:

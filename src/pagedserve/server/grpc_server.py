@@ -13,32 +13,29 @@ model loads or the server drains) and server reflection.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from pydantic import ValidationError
 
-from pagedserve.async_engine import EngineStepError
-from pagedserve.outputs import CompletionOutput, RequestOutput, TokenLogprobs
+from pagedserve.output_stream import ChoiceStream, RequestStream
+from pagedserve.outputs import CompletionDelta
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
-from pagedserve.server.constraints import Check, compile_checks
+from pagedserve.server.constraints import OutputPlan
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
-from pagedserve.server.serving import OpenAIServing, Prompt, Slot
+from pagedserve.server.logprobs import TokenText, format_logprobs
+from pagedserve.server.serving import OpenAIServing
+from pagedserve.server.state import ServerState, Slot
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # api_server imports this module
-    from pagedserve.server.api_server import ServerState
 
 logger = logging.getLogger(__name__)
 
@@ -95,27 +92,16 @@ def _code(e: APIError) -> grpc.StatusCode:
 class _Job:
     """One admitted, validated generation request."""
 
-    request_id: str
-    prompt: Prompt
+    stream: RequestStream
     params: SamplingParams
     arrival: float
     slot: Slot
-    grammars: list[Check]  # compiled before the request reaches the engine
-
-
-@dataclass
-class _Sent:
-    """How much of one completion a stream has already sent."""
-
-    text: int = 0
-    tokens: int = 0
-    done: bool = False
+    plan: OutputPlan  # its grammars are compiled before the request reaches the engine
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
     def __init__(self, state: ServerState):
         self.state = state
-        self._active: set[str] = set()  # request ids of generations in flight
 
     # ---- the frame of every call: auth, errors -> status codes, metrics ----------------------
     @asynccontextmanager
@@ -150,15 +136,9 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             self.state.metrics.requests.labels(PROTOCOL, f"/{SERVICE}/{method}", status.name).inc()
 
     def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
-        key = self.state.config.api_key
-        if key is None:
-            return
         metadata = dict(context.invocation_metadata() or ())
         value = metadata.get("authorization", "")
-        scheme, _, token = (value if isinstance(value, str) else "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), key.encode()
-        ):
+        if not self.state.authorized(value if isinstance(value, str) else ""):
             raise APIError(
                 401,
                 "invalid or missing API key: send the metadata 'authorization: Bearer <key>'",
@@ -193,44 +173,51 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         except ValidationError as e:
             raise from_validation_error(e) from None
 
-    def _start(self, m: pb.GenerateRequest) -> _Job:
+    def _start(self, m: pb.GenerateRequest) -> tuple[OpenAIServing, _Job]:
         """Readiness (UNAVAILABLE), admission (RESOURCE_EXHAUSTED), then validation."""
         arrival = time.monotonic()
         serving = self.state.ready()
-        rid = m.request_id or f"grpc-{uuid.uuid4().hex}"
-        if rid in self._active:
-            raise APIError(409, f"request_id {rid!r} is already in flight", param="request_id")
         slot = self.state.admit(PROTOCOL)
         try:
             (prompt,), params, plan = serving.prepare_completion(self._completion_request(m))
         except BaseException:
             slot.release()
             raise
-        self._active.add(rid)
-        return _Job(rid, prompt, params, arrival, slot, plan.checks)
+        rid = m.request_id or f"grpc-{uuid.uuid4().hex}"
+        stream = RequestStream(rid, prompt.ids, params.n, prompt.text, params.logprobs is not None)
+        return serving, _Job(stream, params, arrival, slot, plan)
 
-    def _finish(self, job: _Job) -> None:
-        self._active.discard(job.request_id)
-        job.slot.release()
-
-    async def _outputs(self, serving: OpenAIServing, job: _Job) -> AsyncIterator[RequestOutput]:
-        await compile_checks(serving.engine.grammars, job.grammars)
-        gen = serving._generate([job.prompt], job.params, job.request_id, job.arrival, PROTOCOL)
+    async def _events(
+        self, serving: OpenAIServing, job: _Job
+    ) -> AsyncIterator[list[CompletionDelta]]:
+        gen = serving.generate([job.stream], job.params, job.arrival, PROTOCOL)
         try:
-            async for _, out in gen:
-                yield out
-        except (ValueError, EngineStepError) as e:
-            raise OpenAIServing._engine_error(e) from e
+            await serving.compile_grammars(job.plan)
+            async for _, events in gen:
+                yield events
         finally:
             await gen.aclose()  # aborts the engine request when it has not finished
+            job.slot.release()
 
     # ---- responses ---------------------------------------------------------------------------
-    def _completion(self, o: CompletionOutput, sent: _Sent, logprobs: bool) -> pb.Completion:
-        new_ids = o.token_ids[sent.tokens :]
-        c = pb.Completion(index=o.index, token_ids=new_ids, text=o.text[sent.text :])
+    @staticmethod
+    def _completion(
+        tokens: TokenText, o: CompletionDelta | ChoiceStream, logprobs: bool
+    ) -> pb.Completion:
+        c = pb.Completion(index=o.index, token_ids=o.token_ids, text=o.text)
         if logprobs:
-            entries = (o.logprobs or [])[sent.tokens :]
-            c.logprobs.extend(self._logprobs(new_ids, entries))
+            c.logprobs.extend(
+                pb.TokenLogprob(
+                    token_id=pos.chosen.token_id,
+                    token=pos.chosen.token,
+                    logprob=pos.chosen.logprob,
+                    top_logprobs=[
+                        pb.TopLogprob(token_id=t.token_id, token=t.token, logprob=t.logprob)
+                        for t in pos.top
+                    ],
+                )
+                for pos in format_logprobs(tokens, o.token_ids, o.logprobs or [])
+            )
         if o.finish_reason is not None:
             c.finish_reason = _FINISH.get(o.finish_reason, pb.FINISH_REASON_UNSPECIFIED)
             if isinstance(o.stop_reason, str):
@@ -239,74 +226,45 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                 c.stop_token_id = o.stop_reason
         return c
 
-    def _logprobs(self, ids: list[int], entries: list[TokenLogprobs]) -> list[pb.TokenLogprob]:
-        text = self.state.serving.tokens.text
-        out = []
-        for tid, entry in zip(ids, entries, strict=False):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-            out.append(
-                pb.TokenLogprob(
-                    token_id=tid,
-                    token=text(tid),
-                    logprob=entry.get(tid, float("-inf")),
-                    top_logprobs=[
-                        pb.TopLogprob(token_id=t, token=text(t), logprob=v) for t, v in ranked
-                    ],
-                )
-            )
-        return out
-
     @staticmethod
-    def _usage(job: _Job, out: RequestOutput) -> pb.Usage:
-        completion = sum(len(o.token_ids) for o in out.outputs)
-        prompt = len(job.prompt.ids)
+    def _usage(stream: RequestStream) -> pb.Usage:
+        u = stream.usage
         return pb.Usage(
-            prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion
+            prompt_tokens=u.prompt_tokens,
+            completion_tokens=u.completion_tokens,
+            total_tokens=u.total_tokens,
         )
 
     # ---- the service -------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context) -> pb.GenerateResponse:
         async with self._call(context, "Generate"):
-            job = self._start(request)
-            try:
-                final = None
-                async for out in self._outputs(self.state.serving, job):
-                    final = out
-            finally:
-                self._finish(job)
+            serving, job = self._start(request)
+            async for _ in self._events(serving, job):
+                pass
             logprobs = job.params.logprobs is not None
+            stream = job.stream
             return pb.GenerateResponse(
-                request_id=job.request_id,
-                completions=[self._completion(o, _Sent(), logprobs) for o in final.outputs],
-                usage=self._usage(job, final),
+                request_id=stream.request_id,
+                completions=[self._completion(serving.tokens, o, logprobs) for o in stream.outputs],
+                usage=self._usage(stream),
             )
 
     async def GenerateStream(
         self, request: pb.GenerateRequest, context
     ) -> AsyncIterator[pb.GenerateResponse]:
         async with self._call(context, "GenerateStream"):
-            job = self._start(request)
+            serving, job = self._start(request)
             logprobs = job.params.logprobs is not None
-            sent = [_Sent() for _ in range(job.params.n)]
-            try:
-                async for out in self._outputs(self.state.serving, job):
-                    msg = pb.GenerateResponse(request_id=job.request_id)
-                    for o in out.outputs:
-                        s = sent[o.index]
-                        if s.done:
-                            continue
-                        if len(o.text) == s.text and len(o.token_ids) == s.tokens:
-                            if o.finish_reason is None:
-                                continue  # nothing new (the detokenizer held text back)
-                        msg.completions.append(self._completion(o, s, logprobs))
-                        s.text, s.tokens = len(o.text), len(o.token_ids)
-                        s.done = o.finish_reason is not None
-                    if out.finished:
-                        msg.usage.CopyFrom(self._usage(job, out))
-                    if msg.completions or out.finished:
-                        yield msg
-            finally:
-                self._finish(job)
+            stream = job.stream
+            async for events in self._events(serving, job):
+                msg = pb.GenerateResponse(request_id=stream.request_id)
+                msg.completions.extend(
+                    self._completion(serving.tokens, e, logprobs) for e in events
+                )
+                if stream.finished:
+                    msg.usage.CopyFrom(self._usage(stream))
+                if msg.completions or stream.finished:
+                    yield msg
 
     async def Tokenize(self, request: pb.TokenizeRequest, context) -> pb.TokenizeResponse:
         async with self._call(context, "Tokenize"):
@@ -348,19 +306,10 @@ class GrpcServer:
         self.health = health.aio.HealthServicer()
         self._watch: asyncio.Task | None = None
 
-    def _serving(self) -> bool:
-        s = self.state
-        return (
-            s.serving is not None
-            and not s.draining
-            and s.async_engine is not None
-            and s.async_engine.is_running
-        )
-
     async def _watch_readiness(self) -> None:
         last = None
         while True:
-            status = _SERVING if self._serving() else _NOT_SERVING
+            status = _SERVING if self.state.serving_now else _NOT_SERVING
             if status != last:
                 for service in ("", SERVICE):
                     await self.health.set(service, status)

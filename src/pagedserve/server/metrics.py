@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pagedserve.engine import EngineStats
-from pagedserve.outputs import RequestOutput
+from pagedserve.output_stream import RequestStream
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -118,14 +118,13 @@ class ServerMetrics:
             "pagedserve_request_queue_time_seconds", "Arrival to first scheduled", _LATENCY_BUCKETS
         )
 
-    def record_finished(self, out: RequestOutput, protocol: str = "http") -> None:
+    def record_finished(self, out: RequestStream, protocol: str) -> None:
         """One engine request reached its end (normally or by abort)."""
         for o in out.outputs:
             self.finished.labels(protocol, o.finish_reason or "abort").inc()
-        self.request_prompt_tokens.labels(protocol).inc(len(out.prompt_token_ids))
-        self.request_generation_tokens.labels(protocol).inc(
-            sum(len(o.token_ids) for o in out.outputs)
-        )
+        usage = out.usage
+        self.request_prompt_tokens.labels(protocol).inc(usage.prompt_tokens)
+        self.request_generation_tokens.labels(protocol).inc(usage.completion_tokens)
         m = out.metrics
         if m is None or any(o.finish_reason == "abort" for o in out.outputs):
             return
@@ -142,7 +141,7 @@ class ServerMetrics:
                 tpot = (m.finished_time - m.first_token_time) / (longest - 1)
                 self.tpot.labels(protocol).observe(max(0.0, tpot))
 
-    def record_error(self, n: int, protocol: str = "http") -> None:
+    def record_error(self, n: int, protocol: str) -> None:
         self.finished.labels(protocol, "error").inc(n)
 
     def render(self) -> bytes:

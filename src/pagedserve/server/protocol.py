@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from pagedserve.outputs import Usage
+
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 MAX_N = 128
 
@@ -171,6 +173,14 @@ class UsageInfo(_Response):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+    @classmethod
+    def of(cls, usage: Usage) -> UsageInfo:
+        return cls(
+            prompt_tokens=usage.prompt_tokens,
+            completion_tokens=usage.completion_tokens,
+            total_tokens=usage.total_tokens,
+        )
 
 
 class CompletionLogprobs(_Response):

@@ -1,156 +1,36 @@
-"""Completions and chat completions: request -> validated engine requests -> JSON or SSE.
+"""Requests into engine requests: validation, then the engine's deltas as streams.
 
 Everything that can be wrong with a request is found here before it reaches the engine:
-parameters (SamplingParams), prompts (tokenize_prompt), context length (check_length).
+parameters (SamplingParams), prompts (tokenize_prompt), context length (check_length). Both
+protocols' renderers (server/completions.py, server/chat.py, server/grpc_server.py) then
+consume `generate`: one `RequestStream` per prompt and its events, metrics recorded once here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import math
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 import jinja2
-from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
 
-from pagedserve.async_engine import AsyncEngine, EngineStepError, aborted_output
-from pagedserve.outputs import RequestOutput, TokenLogprobs
+from pagedserve.async_engine import AsyncEngine, EngineStepError
+from pagedserve.output_stream import OutputProcessor, RequestStream
+from pagedserve.outputs import CompletionDelta, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
 from pagedserve.server.constraints import OutputPlan, chat_plan, compile_checks, completion_plan
-from pagedserve.server.errors import APIError, bad_request, param_from_value_error
+from pagedserve.server.errors import APIError, bad_request, engine_error, param_from_value_error
+from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics
-from pagedserve.server.tool_output import ToolCallRenderer, response_message
 from pagedserve.structured.spec import StructuredSpec
 from pagedserve.tools import prompt as tool_prompt
-
-PROTOCOL = "http"
-_LOGPROB_FLOOR = -9999.0
 
 
 @dataclass
 class Prompt:
     ids: list[int]
     text: str | None  # the prompt as text, when known (echo)
-
-
-class TokenText:
-    """Each token's text and exact bytes, for logprobs."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-        self._byte_decoder: dict[str, int] | None = None
-        try:
-            spec = json.loads(tokenizer.backend_tokenizer.to_str())
-            if (spec.get("decoder") or {}).get("type") == "ByteLevel":
-                self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
-        except (AttributeError, ValueError, TypeError):
-            pass
-        self.text = lru_cache(maxsize=65536)(self._text)
-        self.bytes = lru_cache(maxsize=65536)(self._bytes)
-
-    def _text(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def _bytes(self, token_id: int) -> tuple[int, ...]:
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if self._byte_decoder is not None and piece and all(c in self._byte_decoder for c in piece):
-            return tuple(self._byte_decoder[c] for c in piece)
-        if piece and len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-            return (int(piece[3:5], 16),)  # sentencepiece byte fallback
-        return tuple(self._text(token_id).encode("utf-8"))
-
-
-@lru_cache(maxsize=1)
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1))
-    bs += list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, (chr(c) for c in cs), strict=True))
-
-
-def _lp(value: float) -> float:
-    return value if math.isfinite(value) else _LOGPROB_FLOOR
-
-
-def _sse(model) -> str:
-    return f"data: {model.model_dump_json()}\n\n"
-
-
-_DONE = "data: [DONE]\n\n"
-
-
-class Slot:
-    """One admitted request's place in the concurrency limit; release() is idempotent."""
-
-    def __init__(self, release: Callable[[], None]):
-        self._release = release
-        self._held = True
-        self.handed_off = False  # True once a streaming response owns it
-
-    def release(self) -> None:
-        if self._held:
-            self._held = False
-            self._release()
-
-
-class SlotStreamingResponse(StreamingResponse):
-    """A streaming response that frees its slot and closes its stream however it ends."""
-
-    def __init__(self, content: AsyncIterator[str], slot: Slot):
-        super().__init__(content, media_type="text/event-stream")
-        self.headers["Cache-Control"] = "no-cache"
-        self._slot = slot
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self.body_iterator.aclose()
-            finally:
-                self._slot.release()
-
-
-async def _wait_for_disconnect(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-class ClientGone(Exception):
-    pass
-
-
-async def _unless_disconnected(request: Request, coro):
-    """Run `coro`; if the client disconnects first, cancel it (aborting its engine requests)."""
-    work = asyncio.ensure_future(coro)
-    watch = asyncio.ensure_future(_wait_for_disconnect(request))
-    try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        if not work.done():
-            work.cancel()
-        watch.cancel()
-    if work.cancelled() or not work.done():
-        await asyncio.gather(work, return_exceptions=True)
-        raise ClientGone()
-    return work.result()
 
 
 class OpenAIServing:
@@ -256,7 +136,9 @@ class OpenAIServing:
             ) from None
         return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
 
-    def prepare_completion(self, req: P.CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+    def prepare_completion(
+        self, req: P.CompletionRequest
+    ) -> tuple[list[Prompt], SamplingParams, OutputPlan]:
         self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
@@ -304,17 +186,37 @@ class OpenAIServing:
         self._check_prompt(prompt, params, max_param, "messages")
         return prompt, params, plan
 
+    async def compile_grammars(self, plan: OutputPlan) -> None:
+        """Build the plan's grammars into the engine's cache, off the event loop; a 400 naming
+        the field of one that fails. The request waits here; the engine never does."""
+        await compile_checks(self.engine.grammars, plan.checks)
+
     # ---- generation ----------------------------------------------------------------------
+    @staticmethod
+    def streams(
+        prompts: list[Prompt],
+        params: SamplingParams,
+        base_id: str,
+        processor: Callable[[int], OutputProcessor] | None = None,
+    ) -> list[RequestStream]:
+        """One engine request per prompt, `{base_id}-{i}`."""
+        return [
+            RequestStream(
+                f"{base_id}-{i}", p.ids, params.n, p.text, params.logprobs is not None, processor
+            )
+            for i, p in enumerate(prompts)
+        ]
+
     async def _generate_one(
-        self, prompt: Prompt, params: SamplingParams, rid: str, arrival: float, protocol: str
-    ) -> AsyncIterator[RequestOutput]:
-        last: RequestOutput | None = None
+        self, stream: RequestStream, params: SamplingParams, arrival: float, protocol: str
+    ) -> AsyncIterator[list[CompletionDelta]]:
         failed = False
-        gen = self.async_engine.generate(prompt.ids, params, rid, arrival)
+        gen = self.async_engine.generate(
+            stream.prompt_token_ids, params, stream.request_id, arrival, stream
+        )
         try:
-            async for out in gen:
-                last = out
-                yield out
+            async for s in gen:
+                yield s.events
         except BaseException as e:
             failed = not isinstance(e, asyncio.CancelledError | GeneratorExit)
             raise
@@ -322,44 +224,51 @@ class OpenAIServing:
             await gen.aclose()  # aborts the engine request if it has not finished
             if failed:
                 self.metrics.record_error(params.n, protocol)
-            elif last is not None and last.finished:
-                self.metrics.record_finished(last, protocol)
-            else:  # the client went away: the engine aborted it
-                self.metrics.record_finished(
-                    aborted_output(rid, prompt.ids, params, last), protocol
-                )
+            else:
+                if not stream.finished:  # the client went away: the engine aborted it
+                    stream.abort()
+                self.metrics.record_finished(stream, protocol)
 
-    async def _generate(
+    async def generate(
         self,
-        prompts: list[Prompt],
+        streams: list[RequestStream],
         params: SamplingParams,
-        base_id: str,
         arrival: float,
-        protocol: str = PROTOCOL,  # the metrics label: gRPC shares this path
-    ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Outputs of every prompt's engine request, as (prompt index, cumulative output)."""
-        if len(prompts) == 1:
-            gen = self._generate_one(prompts[0], params, f"{base_id}-0", arrival, protocol)
+        protocol: str,  # the metrics label
+    ) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
+        """Run every stream's engine request; yields (stream index, the events of an update).
+        Engine errors are raised as APIError."""
+        try:
+            async for item in self._merged(streams, params, arrival, protocol):
+                yield item
+        except (ValueError, EngineStepError) as e:
+            raise engine_error(e) from e
+
+    async def _merged(
+        self, streams: list[RequestStream], params: SamplingParams, arrival: float, protocol: str
+    ) -> AsyncIterator[tuple[int, list[CompletionDelta]]]:
+        if len(streams) == 1:
+            gen = self._generate_one(streams[0], params, arrival, protocol)
             try:
-                async for out in gen:
-                    yield 0, out
+                async for events in gen:
+                    yield 0, events
             finally:
                 await gen.aclose()
             return
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(i: int, prompt: Prompt) -> None:
-            gen = self._generate_one(prompt, params, f"{base_id}-{i}", arrival, protocol)
+        async def pump(i: int, stream: RequestStream) -> None:
+            gen = self._generate_one(stream, params, arrival, protocol)
             try:
-                async for out in gen:
-                    merged.put_nowait((i, out))
+                async for events in gen:
+                    merged.put_nowait((i, events))
             except Exception as e:  # noqa: BLE001 - handed to the consumer
                 merged.put_nowait((i, e))
             finally:
                 await gen.aclose()
                 merged.put_nowait((i, None))
 
-        tasks = [asyncio.ensure_future(pump(i, p)) for i, p in enumerate(prompts)]
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
         try:
             remaining = len(tasks)
             while remaining:
@@ -375,308 +284,17 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    @staticmethod
-    def _engine_error(e: Exception) -> APIError:
-        if isinstance(e, ValueError):
-            return bad_request(str(e))
-        if isinstance(e, EngineStepError):
-            return APIError(500, str(e), code="engine_error")
-        return APIError(500, f"internal error: {type(e).__name__}: {e}")
-
-    async def _collect(self, prompts, params, base_id, arrival) -> list[RequestOutput]:
-        final: dict[int, RequestOutput] = {}
-        gen = self._generate(prompts, params, base_id, arrival)
+    async def collect(
+        self, streams: list[RequestStream], params: SamplingParams, arrival: float, protocol: str
+    ) -> None:
+        """Run the streams to their end (their outputs are then whole)."""
+        gen = self.generate(streams, params, arrival, protocol)
         try:
-            async for i, out in gen:
-                final[i] = out
-        except (ValueError, EngineStepError) as e:
-            raise self._engine_error(e) from e
+            async for _ in gen:
+                pass
         finally:
             await gen.aclose()
-        return [final[i] for i in range(len(prompts))]
 
-    # ---- logprobs ------------------------------------------------------------------------
-    def completion_logprobs(
-        self, token_ids: list[int], entries: list[TokenLogprobs], offset: int
-    ) -> tuple[P.CompletionLogprobs, int]:
-        lp = P.CompletionLogprobs()
-        text = self.tokens.text
-        for tid, entry in zip(token_ids, entries, strict=False):
-            piece = text(tid)
-            lp.tokens.append(piece)
-            lp.token_logprobs.append(_lp(entry.get(tid, _LOGPROB_FLOOR)))
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])
-            lp.top_logprobs.append({text(t): _lp(v) for t, v in ranked})
-            lp.text_offset.append(offset)
-            offset += len(piece)
-        return lp, offset
 
-    def chat_logprobs(
-        self, token_ids: list[int], entries: list[TokenLogprobs], top_n: int
-    ) -> P.ChatLogprobs:
-        content = []
-        text, raw = self.tokens.text, self.tokens.bytes
-        for tid, entry in zip(token_ids, entries, strict=False):
-            ranked = sorted(entry.items(), key=lambda kv: -kv[1])[:top_n]
-            content.append(
-                P.ChatTokenLogprob(
-                    token=text(tid),
-                    logprob=_lp(entry.get(tid, _LOGPROB_FLOOR)),
-                    bytes=list(raw(tid)),
-                    top_logprobs=[
-                        P.TopLogprob(token=text(t), logprob=_lp(v), bytes=list(raw(t)))
-                        for t, v in ranked
-                    ],
-                )
-            )
-        return P.ChatLogprobs(content=content)
-
-    # ---- /v1/completions -----------------------------------------------------------------
-    async def completions(
-        self, req: P.CompletionRequest, request: Request, slot: Slot, arrival: float
-    ) -> Response:
-        prompts, params, plan = self.prepare_completion(req)
-        await compile_checks(self.engine.grammars, plan.checks)
-        if req.echo:
-            for p in prompts:
-                if p.text is None:
-                    p.text = self.tokenizer.decode(p.ids)
-        rid = f"cmpl-{uuid.uuid4().hex}"
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._completion_stream(req, prompts, params, rid, arrival, include_usage)
-            return SlotStreamingResponse(stream, slot)
-        try:
-            outs = await _unless_disconnected(request, self._collect(prompts, params, rid, arrival))
-        finally:
-            slot.release()
-        choices = []
-        completion_tokens = 0
-        for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-            for o in out.outputs:
-                completion_tokens += len(o.token_ids)
-                prefix = prompt.text if req.echo else ""
-                logprobs = None
-                if params.logprobs is not None:
-                    logprobs, _ = self.completion_logprobs(o.token_ids, o.logprobs or [], 0)
-                choices.append(
-                    P.CompletionChoice(
-                        index=i * params.n + o.index,
-                        text=prefix + o.text,
-                        logprobs=logprobs,
-                        finish_reason=o.finish_reason,
-                        stop_reason=o.stop_reason,
-                    )
-                )
-        prompt_tokens = sum(len(p.ids) for p in prompts)
-        body = P.CompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=choices,
-            usage=P.UsageInfo(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                total_tokens=prompt_tokens + completion_tokens,
-            ),
-        )
-        return Response(body.model_dump_json(), media_type="application/json")
-
-    async def _completion_stream(
-        self, req, prompts: list[Prompt], params: SamplingParams, rid: str, arrival: float, usage
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
-        n = params.n
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        offsets: dict[int, int] = {}
-        done: set[int] = set()
-        completion_tokens = 0
-        gen = self._generate(prompts, params, rid, arrival)
-        try:
-            async for i, out in gen:
-                choices = []
-                for o in out.outputs:
-                    key = i * n + o.index
-                    if key in done:
-                        continue
-                    first = key not in sent_text
-                    t0, k0 = sent_text.get(key, 0), sent_tokens.get(key, 0)
-                    delta, new_ids = o.text[t0:], o.token_ids[k0:]
-                    if not (delta or new_ids or o.finish_reason or (first and req.echo)):
-                        continue
-                    if first and req.echo:
-                        delta = prompts[i].text + delta
-                    logprobs = None
-                    if params.logprobs is not None:
-                        logprobs, offsets[key] = self.completion_logprobs(
-                            new_ids, (o.logprobs or [])[k0:], offsets.get(key, 0)
-                        )
-                    sent_text[key], sent_tokens[key] = len(o.text), len(o.token_ids)
-                    if o.finish_reason:
-                        done.add(key)
-                        completion_tokens += len(o.token_ids)
-                    choices.append(
-                        P.CompletionChoice(
-                            index=key,
-                            text=delta,
-                            logprobs=logprobs,
-                            finish_reason=o.finish_reason,
-                            stop_reason=o.stop_reason,
-                        )
-                    )
-                if choices:
-                    yield _sse(
-                        P.CompletionChunk(
-                            id=rid, created=created, model=self.model_name, choices=choices
-                        )
-                    )
-            if usage:
-                prompt_tokens = sum(len(p.ids) for p in prompts)
-                yield _sse(
-                    P.CompletionChunk(
-                        id=rid,
-                        created=created,
-                        model=self.model_name,
-                        choices=[],
-                        usage=P.UsageInfo(
-                            prompt_tokens=prompt_tokens,
-                            completion_tokens=completion_tokens,
-                            total_tokens=prompt_tokens + completion_tokens,
-                        ),
-                    )
-                )
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield self._engine_error(e).sse()
-        finally:
-            await gen.aclose()
-        yield _DONE
-
-    # ---- /v1/chat/completions ------------------------------------------------------------
-    async def chat(
-        self, req: P.ChatCompletionRequest, request: Request, slot: Slot, arrival: float
-    ) -> Response:
-        prompt, params, plan = self.prepare_chat(req)
-        await compile_checks(self.engine.grammars, plan.checks)
-        rid = f"chatcmpl-{uuid.uuid4().hex}"
-        top_n = req.top_logprobs or 0
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            stream = self._chat_stream(
-                prompt, params, rid, arrival, top_n, include_usage, plan.parse_tools
-            )
-            return SlotStreamingResponse(stream, slot)
-        try:
-            (out,) = await _unless_disconnected(
-                request, self._collect([prompt], params, rid, arrival)
-            )
-        finally:
-            slot.release()
-        choices = []
-        for o in out.outputs:
-            logprobs = None
-            if params.logprobs is not None:
-                logprobs = self.chat_logprobs(o.token_ids, o.logprobs or [], top_n)
-            message, finish_reason = response_message(o, plan.parse_tools)
-            choices.append(
-                P.ChatChoice(
-                    index=o.index,
-                    message=message,
-                    logprobs=logprobs,
-                    finish_reason=finish_reason,
-                    stop_reason=o.stop_reason,
-                )
-            )
-        completion_tokens = sum(len(o.token_ids) for o in out.outputs)
-        body = P.ChatCompletionResponse(
-            id=rid,
-            model=self.model_name,
-            choices=choices,
-            usage=P.UsageInfo(
-                prompt_tokens=len(prompt.ids),
-                completion_tokens=completion_tokens,
-                total_tokens=len(prompt.ids) + completion_tokens,
-            ),
-        )
-        return Response(body.model_dump_json(), media_type="application/json")
-
-    async def _chat_stream(
-        self,
-        prompt: Prompt,
-        params: SamplingParams,
-        rid: str,
-        arrival: float,
-        top_n: int,
-        usage,
-        parse_tools: bool,
-    ) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(choices, usage_info=None) -> str:
-            return _sse(
-                P.ChatCompletionChunk(
-                    id=rid,
-                    created=created,
-                    model=self.model_name,
-                    choices=choices,
-                    usage=usage_info,
-                )
-            )
-
-        gen = self._generate([prompt], params, rid, arrival)
-        sent_text = [0] * params.n
-        sent_tokens = [0] * params.n
-        done = [False] * params.n
-        tool_calls = [ToolCallRenderer() if parse_tools else None for _ in range(params.n)]
-        completion_tokens = 0
-        try:
-            yield chunk(
-                [
-                    P.ChatStreamChoice(index=i, delta=P.DeltaMessage(role="assistant", content=""))
-                    for i in range(params.n)
-                ]
-            )
-            async for _, out in gen:
-                choices = []
-                for o in out.outputs:
-                    i = o.index
-                    if done[i]:
-                        continue
-                    delta, new_ids = o.text[sent_text[i] :], o.token_ids[sent_tokens[i] :]
-                    if not (delta or new_ids or o.finish_reason):
-                        continue
-                    logprobs = None
-                    if params.logprobs is not None:
-                        entries = (o.logprobs or [])[sent_tokens[i] :]
-                        logprobs = self.chat_logprobs(new_ids, entries, top_n)
-                    sent_text[i], sent_tokens[i] = len(o.text), len(o.token_ids)
-                    if o.finish_reason:
-                        done[i] = True
-                        completion_tokens += len(o.token_ids)
-                    message, finish_reason = P.DeltaMessage(content=delta), o.finish_reason
-                    if tool_calls[i] is not None:
-                        message, finish_reason = tool_calls[i].delta(o)
-                    choices.append(
-                        P.ChatStreamChoice(
-                            index=i,
-                            delta=message,
-                            logprobs=logprobs,
-                            finish_reason=finish_reason,
-                            stop_reason=o.stop_reason,
-                        )
-                    )
-                if choices:
-                    yield chunk(choices)
-            if usage:
-                yield chunk(
-                    [],
-                    P.UsageInfo(
-                        prompt_tokens=len(prompt.ids),
-                        completion_tokens=completion_tokens,
-                        total_tokens=len(prompt.ids) + completion_tokens,
-                    ),
-                )
-        except Exception as e:  # noqa: BLE001 - the stream has started: report in-band
-            yield self._engine_error(e).sse()
-        finally:
-            await gen.aclose()
-        yield _DONE
+def total_usage(streams: list[RequestStream]) -> Usage:
+    return sum((s.usage for s in streams), Usage())

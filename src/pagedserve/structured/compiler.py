@@ -16,6 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import llguidance.hf
 
+from pagedserve.structured.constraint import GrammarConstraint
 from pagedserve.structured.spec import JSON_OPTIONS, StructuredSpec
 
 CACHE_SIZE = 512
@@ -79,6 +80,10 @@ class GrammarCompiler:
         if isinstance(hit, str):
             raise GrammarError(hit)
         return hit.deep_copy()
+
+    def constraint(self, spec: StructuredSpec) -> GrammarConstraint:
+        """A sequence's constraint for `spec`, in its start state; raises GrammarError."""
+        return GrammarConstraint(self.compile(spec))
 
     def compile_async(self, spec: StructuredSpec) -> Future[llguidance.LLMatcher]:
         return self._pool.submit(self.compile, spec)

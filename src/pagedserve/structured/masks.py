@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from concurrent.futures import Future, ThreadPoolExecutor
 
-import llguidance
 import torch
 
-from pagedserve.sequence import Sequence
+from pagedserve.sequence import Sequence, TokenConstraint
 from pagedserve.structured.bitmask import StepMask
 
 
@@ -26,16 +25,16 @@ class MaskFiller:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="pagedserve-mask")
 
     def start(self, seqs: Seq[Sequence]) -> Future[StepMask] | None:
-        """Begin filling the masks of `seqs`' constrained rows; None if none has a grammar."""
-        rows = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        """Begin filling the masks of `seqs`' constrained rows; None if none has a constraint."""
+        rows = [i for i, s in enumerate(seqs) if s.constraint is not None]
         if not rows:
             return None
-        return self._pool.submit(self._fill, [seqs[i].grammar for i in rows], rows)
+        return self._pool.submit(self._fill, [seqs[i].constraint for i in rows], rows)
 
-    def _fill(self, matchers: list[llguidance.LLMatcher], rows: list[int]) -> StepMask:
+    def _fill(self, constraints: list[TokenConstraint], rows: list[int]) -> StepMask:
         bits = torch.empty(len(rows), self.words, dtype=torch.int32)
-        for k, matcher in enumerate(matchers):
-            matcher.unsafe_compute_mask_ptr(bits[k].data_ptr(), self.words * 4)
+        for k, constraint in enumerate(constraints):
+            constraint.fill_mask(bits[k])
         return StepMask(torch.tensor(rows, dtype=torch.long), bits)
 
     def shutdown(self) -> None:

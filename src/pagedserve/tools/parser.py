@@ -3,8 +3,9 @@
 `parse` maps the text so far to what is safe to show: the content outside tool-call blocks and
 each call's name and arguments, holding back any tail that may still turn out to be markup (a
 partial `<tool_call>`, the wrapper's closing brace, a partial `</tool_call>`). What it returns
-for a longer text extends what it returned for a shorter one, so `ToolCallStream` sends the
-differences as OpenAI's deltas, and a whole response is the same parse run once.
+for a longer text extends what it returned for a shorter one, so `ToolCallProcessor` (the
+output processor of a chat completion whose tool calls are read) sends the differences as
+OpenAI's deltas, and a whole response is the sum of its deltas.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ from __future__ import annotations
 import json
 import re
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+
+from pagedserve.outputs import CompletionDelta, ToolCallDelta
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 # The wrapper object up to its arguments: the name is known once "arguments" follows it.
@@ -87,33 +90,31 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-@dataclass
-class ToolCallDelta:
-    index: int
-    arguments: str
-    id: str | None = None  # id and name come once, in a call's first delta
-    name: str | None = None
-
-
-class ToolCallStream:
-    """One completion's text in, content and tool-call deltas out."""
+class ToolCallProcessor:
+    """A completion's `OutputProcessor` when tool calls are parsed: text deltas in; content,
+    tool-call deltas and the finish reason `tool_calls` out."""
 
     def __init__(self) -> None:
-        self.content_sent = 0
-        self.ids: list[str] = []
-        self.args_sent: list[int] = []
+        self._text = ""
+        self._content_sent = 0
+        self._ids: list[str] = []
+        self._args_sent: list[int] = []
 
-    def update(self, text: str, final: bool) -> tuple[str, list[ToolCallDelta]]:
-        parsed = parse(text, final)
-        content = parsed.content[self.content_sent :]
-        self.content_sent = len(parsed.content)
-        deltas = []
+    def process(self, delta: CompletionDelta) -> CompletionDelta:
+        self._text += delta.text
+        parsed = parse(self._text, final=delta.finished)
+        content = parsed.content[self._content_sent :]
+        self._content_sent = len(parsed.content)
+        calls = []
         for k, call in enumerate(parsed.calls):
-            if k == len(self.ids):
-                self.ids.append(new_call_id())
-                self.args_sent.append(0)
-                deltas.append(ToolCallDelta(k, "", self.ids[k], call.name))
-            if fragment := call.arguments[self.args_sent[k] :]:
-                self.args_sent[k] = len(call.arguments)
-                deltas.append(ToolCallDelta(k, fragment))
-        return content, deltas
+            if k == len(self._ids):
+                self._ids.append(new_call_id())
+                self._args_sent.append(0)
+                calls.append(ToolCallDelta(k, "", self._ids[k], call.name))
+            if fragment := call.arguments[self._args_sent[k] :]:
+                self._args_sent[k] = len(call.arguments)
+                calls.append(ToolCallDelta(k, fragment))
+        finish = delta.finish_reason
+        if finish == "stop" and self._ids:
+            finish = "tool_calls"
+        return replace(delta, text=content, tool_calls=calls or None, finish_reason=finish)

@@ -1,0 +1,44 @@
+// Element conversions shared by the kernels: math is in float32 and results are rounded once
+// to the tensor's dtype (to nearest even, as torch does). bfloat16 goes by bit shifts, which
+// the compiler vectorizes at every level.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <cstring>
+
+inline float to_f(float x) { return x; }
+inline float to_f(at::Half x) { return static_cast<float>(x); }
+inline float to_f(at::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline T from_f(float v);
+template <>
+inline float from_f<float>(float v) { return v; }
+template <>
+inline at::Half from_f<at::Half>(float v) { return static_cast<at::Half>(v); }
+template <>
+inline at::BFloat16 from_f<at::BFloat16>(float v) {
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof bits);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
+  return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
+}
+
+// Calls fn(T{}) with T the C++ type of `dtype` (float, bfloat16 or half). A plain switch, not
+// AT_DISPATCH: the loop bodies carry `#pragma omp simd`, which a macro argument cannot hold.
+template <typename Fn>
+void dispatch(at::ScalarType dtype, const char* name, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: fn(float{}); break;
+    case at::kBFloat16: fn(at::BFloat16{}); break;
+    case at::kHalf: fn(at::Half{}); break;
+    default: TORCH_CHECK(false, name, ": unsupported dtype ", dtype);
+  }
+}

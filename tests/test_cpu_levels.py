@@ -1,0 +1,91 @@
+"""The default model at each CPU kernel level this machine runs (a process per level, capped by
+PAGEDSERVE_CPU_ISA as a user would): float32 greedy output equal to transformers', and the
+level's fast default (dtype auto, packed weights) close to float32 in vLLM's sense: at the
+first token where the two differ, each side's token is among the other's top-5 logprobs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import PROMPTS, hf_greedy
+from pagedserve.cpu_kernels import isa
+
+MAX_TOKENS = 32
+TOP = 5
+
+
+def run_level(level: str) -> dict:
+    env = {**os.environ, isa.CAP_ENV: level}
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(PROMPTS)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def expected(hf_reference):
+    from transformers import AutoTokenizer
+
+    from pagedserve.models.loader import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return [hf_greedy(hf_reference, tok.encode(p), MAX_TOKENS) for p in PROMPTS]
+
+
+def agreeing_prefix(fast: dict, ref: dict) -> int:
+    """Tokens equal before the first difference, where each side's token must be among the
+    other's top-5 (vLLM's check_logprobs_close)."""
+    for i, (a, b) in enumerate(zip(fast["ids"], ref["ids"], strict=True)):
+        if a != b:
+            assert str(a) in ref["logprobs"][i], f"fast token {a} not in float32's top-{TOP}"
+            assert str(b) in fast["logprobs"][i], f"float32 token {b} not in fast's top-{TOP}"
+            return i
+    return len(fast["ids"])
+
+
+@pytest.mark.timeout(1200)  # a level's first use compiles its kernels (~1 minute when idle)
+@pytest.mark.parametrize("level", isa.levels_supported())
+def test_default_model_at_each_level(level, expected):
+    result = run_level(level)
+    assert result["level"] == level
+    assert [r["ids"] for r in result["float32"]] == expected
+    agree = [agreeing_prefix(f, r) for f, r in zip(result["fast"], result["float32"], strict=True)]
+    print(f"{level} ({result['fast_dtype']}): tokens agreeing with float32 per prompt: {agree}")
+
+
+def main() -> None:
+    """One level's outputs (the level comes from $PAGEDSERVE_CPU_ISA), as JSON on stdout."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.cpu_kernels import ops
+
+    prompts = json.loads(sys.argv[1])
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=TOP)
+
+    def run(llm: LLM) -> list[dict]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, params)]
+        return [{"ids": o.token_ids, "logprobs": o.logprobs} for o in outs]
+
+    exact = run(LLM(dtype="float32", quantization="none", kv_cache_memory="64MiB"))
+    fast_llm = LLM(kv_cache_memory="64MiB")
+    result = {
+        "level": ops().kernel_level(),
+        "float32": exact,
+        "fast": run(fast_llm),
+        "fast_dtype": str(fast_llm.engine.dtype).removeprefix("torch."),
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""CPU detection, kernel levels, their cap, and the CPU dtype that follows from them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.cpu_kernels import isa
+from pagedserve.engine import _pick_dtype
+
+AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
+AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+ZEN3 = isa.CpuInfo("AMD EPYC 7763 64-Core Processor", "x86_64", frozenset(AVX2))
+ZEN4 = isa.CpuInfo("AMD EPYC 9R14", "x86_64", frozenset(AVX512 | {"avx512_bf16"}))
+SKYLAKE = isa.CpuInfo("Intel Xeon Gold 6148", "x86_64", frozenset(AVX512 - {"avx512_vnni"}))
+AMX = {"avx512_bf16", "amx_tile", "amx_bf16"}
+SAPPHIRE = isa.CpuInfo("Intel Xeon Platinum 8480", "x86_64", frozenset(AVX512 | AMX))
+GRAVITON = isa.CpuInfo("Neoverse-V1", "aarch64", frozenset({"asimd", "bf16", "sve"}))
+
+
+@pytest.mark.parametrize(
+    ("cpu", "best", "bf16"),
+    [
+        (ZEN3, "avx2", False),
+        (ZEN4, "avx512", True),
+        (SKYLAKE, "avx512", False),
+        (SAPPHIRE, "amx", True),
+        (GRAVITON, "generic", True),
+        (isa.CpuInfo("old", "x86_64", frozenset({"sse2", "avx"})), "generic", False),
+    ],
+)
+def test_levels_follow_the_cpu_flags(cpu, best, bf16):
+    assert cpu.best_level == best
+    assert isa.levels_supported(cpu) == list(isa.LEVELS[: isa.LEVELS.index(best) + 1])
+    assert cpu.has_native_bf16() is bf16
+
+
+def test_builds_are_named_by_level_and_cpu():
+    assert "-mavx512bf16" in isa.compile_flags("avx512", ZEN4)
+    assert "-mavx512bf16" not in isa.compile_flags("avx512", SKYLAKE)
+    assert isa.compile_flags("avx2", ZEN4) == isa.compile_flags("avx2", ZEN3)
+    assert not any(f.startswith("-march") for lv in isa.LEVELS for f in isa.compile_flags(lv))
+    tags = {isa.target_tag(lv, cpu) for lv in isa.LEVELS for cpu in (ZEN3, ZEN4, SAPPHIRE)}
+    assert len(tags) == 3 * len(isa.LEVELS)  # never one CPU's binary for another
+    assert isa.target_tag("avx2", ZEN3).startswith("avx2_")
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend to run on `cpu`, with the process's level as it would pick it (cap included)."""
+
+    def use(info: isa.CpuInfo) -> None:
+        monkeypatch.setattr(isa, "cpu_info", lambda: info)
+        isa.kernel_level.cache_clear()
+
+    yield use
+    isa.kernel_level.cache_clear()
+
+
+def test_the_cap_lowers_the_level_and_refuses_to_raise_it(cpu, monkeypatch):
+    cpu(SAPPHIRE)
+    monkeypatch.setenv(isa.CAP_ENV, "avx2")
+    assert isa.kernel_level() == "avx2" and not isa.native_bf16()
+    cpu(ZEN3)
+    monkeypatch.setenv(isa.CAP_ENV, "avx512")
+    with pytest.raises(ValueError, match="lacks avx512f, avx512bw, avx512vl, avx512dq"):
+        isa.kernel_level()
+    cpu(ZEN3)
+    monkeypatch.setenv(isa.CAP_ENV, "sse9")
+    with pytest.raises(ValueError, match="expected one of generic, avx2, avx512, amx"):
+        isa.kernel_level()
+
+
+@pytest.mark.parametrize(
+    ("info", "cap", "auto"),
+    [
+        (ZEN3, "", torch.float32),
+        (ZEN4, "", torch.bfloat16),
+        (SKYLAKE, "", torch.float32),
+        (SAPPHIRE, "", torch.bfloat16),
+        (SAPPHIRE, "avx512", torch.bfloat16),
+        (SAPPHIRE, "avx2", torch.float32),
+        (GRAVITON, "", torch.bfloat16),
+    ],
+)
+def test_cpu_dtype_auto_is_bfloat16_only_where_native(cpu, monkeypatch, info, cap, auto):
+    cpu(info)
+    monkeypatch.setenv(isa.CAP_ENV, cap)
+    cpu_device = torch.device("cpu")
+    assert _pick_dtype("auto", cpu_device) == auto
+    assert _pick_dtype("float32", cpu_device) == torch.float32
+    if auto == torch.bfloat16:
+        assert _pick_dtype("bfloat16", cpu_device) == torch.bfloat16
+    else:
+        with pytest.raises(ValueError, match="--dtype bfloat16 needs native bfloat16") as err:
+            _pick_dtype("bfloat16", cpu_device)
+        assert ("capped at avx2" if cap else "has no AVX512_BF16 or AMX-BF16") in str(err.value)
+
+
+def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():
+    """torch's builder waits forever on the lock file of a build that was killed."""
+    import os
+    import subprocess
+    import sys
+
+    from torch.utils.cpp_extension import get_default_build_root
+
+    from pagedserve.cpu_kernels import build_name, ops
+
+    ops()  # built and cached
+    level = isa.kernel_level()
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
+    lock = os.path.join(root, tag, build_name(level), "lock")
+    open(lock, "w").close()
+    code = f"from pagedserve.cpu_kernels import ops_for; print(ops_for({level!r}).kernel_level())"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == level, out.stderr[-2000:]
+    assert not os.path.exists(lock)

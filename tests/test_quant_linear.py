@@ -1,0 +1,121 @@
+"""The packed (block-quantized) linears of cpu_kernels/quant_linear.cpp at every kernel level
+this CPU runs, against float32 products with the dense matrix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.cpu_kernels import ops_for
+from pagedserve.cpu_kernels.isa import levels_supported
+from pagedserve.models.gguf_file import QuantWeight
+from pagedserve.models.linear import Embedding, Linear
+from pagedserve.models.quant_weight import PackedWeight, packable
+
+LEVELS = levels_supported()
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def random_quant(n: int, k: int, bits: int, gen: torch.Generator) -> QuantWeight:
+    """A random block-quantized [n, k] matrix: Q4_1-like codes with offsets, or Q8_0-like."""
+    scale = (torch.rand(n, k // 32, generator=gen) * 0.05).half().float()  # float16 values
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+        offset = (torch.randn(n, k // 32, generator=gen) * 0.2).half().float()
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
+        offset = None
+    return quant(codes, scale, offset, bits)
+
+
+def quant(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int):
+    n, k = codes.shape
+    dense = codes.float().view(n, k // 32, 32) * scale.unsqueeze(-1)
+    if offset is not None:
+        dense = dense + offset.unsqueeze(-1)
+    return QuantWeight(codes, scale, offset, dense.view(n, k), bits)
+
+
+def slack(x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How far a kernel's result may be from the exact products `want`, from its roundings:
+    - float32 products and sums in any order (and sum(x * c) * d + m * sum(x) per group for
+      sum(x * (c * d + m))): far below 2^-16 of sum(|x| |w|) at these sizes;
+    - bf16 activations: weights rounded to bf16 (the AMX and AVX-512 BF16 paths), 2^-8
+      relative, and the result rounded to bf16, 2^-8 of it."""
+    xa, wa = x.float().abs(), dense.abs()
+    bound = 2**-16 * (xa @ wa.t())
+    if x.dtype == torch.bfloat16:
+        bound += 2**-8 * (xa @ wa.t()) + 2**-8 * want.abs()
+    return bound
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16, 33, 70])  # few-row paths and tiles
+def test_packed_linear_matches_the_dense_matrix(level, dtype, bits, rows):
+    gen = torch.Generator().manual_seed(rows * bits)
+    parts = [random_quant(64, 96, bits, gen), random_quant(32, 96, bits, gen)]  # a fused weight
+    packed = PackedWeight.pack(parts)
+    dense = torch.cat([p.dense for p in parts])
+    x = torch.randn(rows, 96, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    for b in (None, bias):
+        want = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
+        got = ops_for(level).quant_linear(x, *packed.kernel_args(b))
+        assert got.dtype == dtype and got.shape == want.shape
+        assert ((got.float() - want).abs() <= slack(x, dense, want)).all()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rows_are_exact(level, dtype, bits):
+    gen = torch.Generator().manual_seed(bits)
+    parts = [random_quant(64, 96, bits, gen), random_quant(32, 96, bits, gen)]
+    packed = PackedWeight.pack(parts)
+    dense = torch.cat([p.dense for p in parts])
+    ids = torch.tensor([0, 95, 17, 64, 17])
+    got = ops_for(level).quant_rows(ids, packed.codes, packed.scales, packed.offsets, bits, dtype)
+    assert torch.equal(got, dense[ids].to(dtype))
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 8, 16])
+def test_extreme_codes_and_activations(level, bits, rows):
+    """The largest codes times large activations in every group (no overflow, no lost
+    precision in any path's sums)."""
+    n, k = 32, 256
+    top = 15 if bits == 4 else -128
+    codes = torch.full((n, k), top, dtype=torch.uint8 if bits == 4 else torch.int8)
+    scale = torch.full((n, k // 32), 0.01).half().float()  # GGUF's scales are float16
+    weight = quant(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
+    packed = PackedWeight.pack([weight])
+    x = torch.full((rows, k), 3.0)
+    x[:, 1::2] = 2.0
+    want = x @ weight.dense.t()
+    got = ops_for(level).quant_linear(x, *packed.kernel_args(None))
+    assert ((got - want).abs() <= slack(x, weight.dense, want)).all()
+
+
+def test_packed_linear_and_embedding_free_the_dense_copy():
+    gen = torch.Generator().manual_seed(5)
+    weight = random_quant(64, 64, 8, gen)
+    packed = PackedWeight.pack([weight])
+    layer, table = Linear(64, 64, bias=False), Embedding(64, 64)
+    layer.use_packed(packed)
+    table.use_packed(packed)
+    assert layer.weight.numel() == table.weight.numel() == 0
+    x = torch.randn(2, 64, generator=gen)
+    torch.testing.assert_close(layer(x), x @ weight.dense.t(), atol=0.05, rtol=0.02)
+    assert torch.equal(table(torch.tensor([3])), weight.dense[3:4])  # in the table's dtype
+
+
+def test_packing_refuses_mixed_types_and_odd_shapes():
+    gen = torch.Generator().manual_seed(6)
+    assert packable([random_quant(32, 64, 4, gen)])
+    assert not packable([random_quant(32, 64, 4, gen), random_quant(32, 64, 8, gen)])
+    assert not packable([random_quant(48, 64, 4, gen)])  # 48 columns: not whole strips of 32
+    with pytest.raises(ValueError, match="do not pack"):
+        PackedWeight.pack([random_quant(16, 64, 8, gen)])
