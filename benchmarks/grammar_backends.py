@@ -4,7 +4,7 @@ batch of 32 matchers. Reports compile time per schema and mask-fill time per dec
 32 rows filled by each library's parallel batch call), stepping the matchers along a valid
 output so that the masks are those of real positions.
 
-    PYTHONPATH=src python benchmarks/grammar_backends.py
+    pip install -e ".[bench]" && python benchmarks/grammar_backends.py
 """
 
 from __future__ import annotations
