@@ -3,8 +3,8 @@ of two choices), in one run, on the shared-prefix workload of `pagedserve bench 
 
 For each KV pool size and each router: `pagedserve serve --data-parallel-size 2` on the default
 model (a local Ray instance, one core per replica), started fresh, loaded with the same prompts,
-then stopped. Replaces the data-parallel section of benchmarks/RESULTS.md (run_bench.py keeps
-that section when it regenerates the rest).
+then stopped. Replaces the data-parallel section of benchmarks/RESULTS.md, or appends it
+(run_bench.py keeps that section, and what follows it, when it regenerates the rest).
 
     python benchmarks/run_dp_bench.py        # about 5 minutes on 2 cores
 """
@@ -154,8 +154,10 @@ def main() -> int:
             print(f"{pool} {router}: {json.dumps(level)[:300]}", flush=True)
     section = render(runs, commands)
     results = HERE / "RESULTS.md"
-    kept = results.read_text().split(DP_HEADING)[0].rstrip()
-    results.write_text(kept + "\n\n" + section)
+    before, _, after = results.read_text().partition(DP_HEADING)
+    following = after.find("\n## ")  # the sections after this one stay as they are
+    rest = after[following:] if following >= 0 else ""
+    results.write_text(before.rstrip() + "\n\n" + section + rest)
     print(section)
     print(f"server and bench logs: {log_dir}")
     return 0

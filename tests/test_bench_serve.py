@@ -167,6 +167,16 @@ def test_shared_prefix_workload_interleaves_system_prompts():
     assert all(lv.prefix_hit_rate is None for lv in levels)  # the fake has no /metrics
 
 
+def test_structured_requests_carry_a_schema_each():
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1, 2], structured=True, warmup=False)
+    schemas = [json.dumps(b["structured_outputs"]["json"]) for b in fake.bodies]
+    assert len(set(schemas)) == len(fake.bodies) == 2 * 6
+    fake = FakeServer(tokens=1)
+    run_fake(fake, concurrency=[1], warmup=False)
+    assert not any("structured_outputs" in b for b in fake.bodies)
+
+
 def test_non_streaming_ttft_is_latency():
     fake = FakeServer(tokens=4, gap_s=0.01)
     _, [lv] = run_fake(fake, concurrency=[2], stream=False)

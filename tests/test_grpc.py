@@ -5,12 +5,14 @@ an in-flight limit) and real grpcio clients, checked against the same server's H
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
 
 import grpc
 import httpx
+import jsonschema
 import openai
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -368,6 +370,35 @@ def test_deadline_and_unary_cancel_free_pages(server, stub):
         assert metric(server.url, "pagedserve_requests_total", labels) >= 1, status
 
 
+def test_structured_outputs(stub):
+    schema = {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "blue"]}, "n": {"type": "integer"}},
+        "required": ["color", "n"],
+        "additionalProperties": False,
+    }
+    so = pb.StructuredOutputs(json=json.dumps(schema))
+    r = stub.Generate(
+        req("A color and a number as JSON:", max_tokens=40, temperature=0, structured_outputs=so),
+        metadata=AUTH,
+        timeout=300,
+    )
+    (c,) = r.completions
+    assert c.finish_reason == pb.FINISH_REASON_STOP
+    jsonschema.validate(json.loads(c.text), schema)
+    so = pb.StructuredOutputs(choice=["yes", "no"])
+    texts = ["", ""]
+    stream = stub.GenerateStream(
+        req("Is the sky blue?", n=2, temperature=1, seed=1, max_tokens=5, structured_outputs=so),
+        metadata=AUTH,
+        timeout=300,
+    )
+    for msg in stream:
+        for c in msg.completions:
+            texts[c.index] += c.text
+    assert all(t in ("yes", "no") for t in texts), texts
+
+
 # ---- errors ---------------------------------------------------------------------------------
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 BAD_REQUESTS = [
@@ -393,6 +424,15 @@ BAD_REQUESTS = [
     (req("hi", stop=[""]), "stop"),
     (req("hi", stop_token_ids=[10**9]), "stop_token_ids"),
     (req("hi", min_tokens=5, max_tokens=2), "min_tokens"),
+    (req("hi", structured_outputs=pb.StructuredOutputs(regex="a(b")), "structured_outputs.regex"),
+    (
+        req("hi", structured_outputs=pb.StructuredOutputs(json='{"not": {}}')),
+        "structured_outputs.json",
+    ),
+    (
+        req("hi", structured_outputs=pb.StructuredOutputs(regex="a", choice=["a"])),
+        "structured_outputs",
+    ),
 ]
 
 

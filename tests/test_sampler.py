@@ -7,6 +7,7 @@ import torch
 from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence
+from pagedserve.structured.masks import MaskFiller
 
 VOCAB = 8
 EOS = 7
@@ -103,11 +104,17 @@ def test_logprobs_are_of_the_raw_distribution_with_the_chosen_and_top_tokens():
 
 def test_a_token_constraint_masks_every_token_it_does_not_allow():
     class OnlyOdd:
-        def allowed(self, vocab_size: int) -> torch.Tensor:
-            return torch.arange(vocab_size) % 2 == 1
+        def fill_mask(self, words: torch.Tensor) -> None:
+            words.fill_(int(0xAAAAAAAA - (1 << 32)))  # bits 1, 3, 5, ...: the odd tokens
 
-        def advance(self, token_id: int) -> None:
-            pass
+        def advance(self, token_id: int) -> bool:
+            return True
+
+        def is_complete(self) -> bool:
+            return False
+
+        def fork(self) -> "OnlyOdd":
+            return self
 
     row = [0, 1.0, 9.0, 2.0, 0, 0, 0, 0]
     free = seq(0, temperature=0)
@@ -115,6 +122,11 @@ def test_a_token_constraint_masks_every_token_it_does_not_allow():
     constrained.constraint = OnlyOdd()
     sampled = seq(2, temperature=1.0)
     sampled.constraint = OnlyOdd()
-    out = sample(logits(row, row, row), [free, constrained, sampled], [EOS])
+    seqs = [free, constrained, sampled]
+    filler = MaskFiller(len(row))
+    mask = filler.start(seqs).result()  # the engine's way: filled on the filler's thread
+    filler.shutdown()
+    assert mask.rows.tolist() == [1, 2]
+    out = sample(logits(row, row, row), seqs, [EOS], mask)
     assert out.token_ids[:2] == [2, 3]
     assert out.token_ids[2] % 2 == 1

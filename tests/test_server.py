@@ -490,7 +490,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": OK_CHAT, "max_completion_tokens": 10**6}, 400, "max_completion_tokens"),
     (CHAT, {"messages": OK_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {"messages": OK_CHAT, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
-    (CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    (CHAT, {"messages": OK_CHAT, "tools": [{"type": "function"}]}, 400, "tools[0].function"),
     (CHAT, {"messages": OK_CHAT, "model": "other"}, 404, "model"),
     (CHAT, {"messages": OK_CHAT, "frequency_penalty": 5}, 400, "frequency_penalty"),
     ("/tokenize", {"prompt": "hi", "model": "other"}, 404, "model"),

@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--prefix-len", type=int, default=512, help="Tokens of each shared system prompt"
     )
+    srv.add_argument(
+        "--structured",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="Constrain each request to a JSON schema of its own (structured_outputs.json)",
+    )
     srv.add_argument("--seed", type=int, default=0, help="Prompt order and arrival times")
     srv.add_argument("--timeout", type=float, default=3600.0, help="Read timeout per request (s)")
     srv.add_argument("--api-key", default=None)

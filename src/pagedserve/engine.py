@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve import detokenizer
+from pagedserve import cpu_kernels, detokenizer
 from pagedserve.block_manager import BlockManager
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
@@ -28,6 +28,8 @@ from pagedserve.sampler import sample
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.scheduler import Scheduler
 from pagedserve.sequence import Sequence, SequenceStatus
+from pagedserve.structured.compiler import GrammarCompiler
+from pagedserve.structured.masks import MaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +128,10 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            # Built (or found built) now, so that a server is ready only once its kernels are:
+            # a stale build otherwise ran inside the first request, minutes on two cores.
+            cpu_kernels.ops()
         self.source = ModelSource.resolve(config.model)
         self.model_config = cfg = load_config(self.source)
         if config.tensor_parallel_size > 1:
@@ -159,6 +165,8 @@ class LLMEngine:
         )
         self.requests: dict[str, RequestState] = {}
         self.counters = EngineCounters()
+        self.grammars = GrammarCompiler(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        self.masks = MaskFiller(cfg.vocab_size)
         self._next_seq_id = 0
         torch.manual_seed(config.seed)
         logger.info(
@@ -178,6 +186,8 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the tensor-parallel workers, if any (idempotent; also done at exit)."""
         self.runner.shutdown()
+        self.grammars.shutdown()
+        self.masks.shutdown()
 
     def dead_reason(self) -> str | None:
         """Why the engine can run no more steps (a tensor-parallel rank died), else None."""
@@ -229,6 +239,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(t < 0 or t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        # The server compiled it already (off this loop); the offline API compiles it here.
+        grammar = self.grammars.constraint(params.structured) if params.structured else None
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         seqs = []
         for i in range(params.n):
@@ -244,6 +256,8 @@ class LLMEngine:
             self._next_seq_id += 1
             if params.seed is not None:
                 seq.generator = torch.Generator().manual_seed(params.seed + i)
+            if grammar is not None:
+                seq.constraint = grammar if i == 0 else grammar.fork()
             detokenizer.start(seq)
             seqs.append(seq)
             self.scheduler.add(seq)
@@ -282,15 +296,22 @@ class LLMEngine:
             max(0, min(s.seq.num_prompt_tokens - s.seq.num_computed_tokens, s.num_new_tokens))
             for s in batch
         )
+        seqs = [batch[i].seq for i in sample_rows]
+        masks = self.masks.start(seqs)  # filled while the forward pass runs
         logits = self.runner.execute(batch, sample_rows)
         self.scheduler.after_step(out)
-        seqs = [batch[i].seq for i in sample_rows]
-        result = sample(logits, seqs, self.eos_token_ids)
+        result = sample(logits, seqs, self.eos_token_ids, masks.result() if masks else None)
 
         now = time.monotonic()
         touched: dict[str, list[CompletionDelta]] = {}
-        for seq, token, logprobs in zip(seqs, result.token_ids, result.logprobs, strict=True):
-            delta = self._append_token(seq, token, logprobs, now)
+        dead = set(result.dead_rows)
+        for row, (seq, token, logprobs) in enumerate(
+            zip(seqs, result.token_ids, result.logprobs, strict=True)
+        ):
+            if row in dead:
+                delta = self._finish(seq, SequenceStatus.FINISHED_GRAMMAR)
+            else:
+                delta = self._append_token(seq, token, logprobs, now)
             touched.setdefault(seq.request_id, []).append(delta)
         self.counters.generation_tokens += len(seqs)
         return [self._request_delta(rid, deltas) for rid, deltas in touched.items()]
@@ -301,18 +322,21 @@ class LLMEngine:
         if seq.first_token_time is None:
             seq.first_token_time = now
         seq.output_token_ids.append(token)
-        if seq.constraint is not None:
-            seq.constraint.advance(token)
         new_text = detokenizer.append_text(self._decode, seq)
         status = None
         p = seq.params
-        if len(seq.output_token_ids) >= p.min_tokens:
+        # The mask allowed the token, so the constraint takes it unless the grammar is broken.
+        if seq.constraint is not None and not seq.constraint.advance(token):
+            status = SequenceStatus.FINISHED_GRAMMAR
+        elif len(seq.output_token_ids) >= p.min_tokens:
             if token in p.stop_token_ids:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, token
             elif token in self.eos_token_ids and not p.ignore_eos:
                 status = SequenceStatus.FINISHED_STOPPED
             elif (stop := detokenizer.find_stop(seq, len(new_text))) is not None:
                 status, seq.stop_reason = SequenceStatus.FINISHED_STOPPED, stop
+            elif seq.constraint is not None and seq.constraint.is_complete():
+                status = SequenceStatus.FINISHED_STOPPED  # only the end of output could follow
         if status is None and (
             len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len
         ):
@@ -327,6 +351,14 @@ class LLMEngine:
             logprobs=[logprobs] if logprobs is not None else None,
             finish_reason=status.value if status is not None else None,
             stop_reason=seq.stop_reason,
+        )
+
+    def _finish(self, seq: Sequence, status: SequenceStatus) -> CompletionDelta:
+        """End a sequence without a new token (its constraint allowed none)."""
+        self.scheduler.finish(seq, status)
+        self._count_finish(status.value, 1)
+        return CompletionDelta(
+            seq.index, detokenizer.take_text(seq), [], finish_reason=status.value
         )
 
     def _count_finish(self, reason: str, n: int) -> None:

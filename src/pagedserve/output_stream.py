@@ -22,6 +22,7 @@ from pagedserve.outputs import (
     RequestMetrics,
     RequestOutput,
     TokenLogprobs,
+    ToolCall,
     Usage,
 )
 
@@ -42,6 +43,7 @@ class ChoiceStream:
         self.logprobs: list[TokenLogprobs] | None = [] if logprobs else None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
+        self.tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:
@@ -61,6 +63,12 @@ class ChoiceStream:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs += delta.logprobs
+        for call in delta.tool_calls or []:
+            if self.tool_calls is None:
+                self.tool_calls = []
+            if call.index == len(self.tool_calls):
+                self.tool_calls.append(ToolCall(call.id or "", call.name or "", ""))
+            self.tool_calls[call.index].arguments += call.arguments
         if delta.finish_reason is not None:
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
 
@@ -72,6 +80,7 @@ class ChoiceStream:
             self.finish_reason,
             self.stop_reason,
             list(self.logprobs) if self.logprobs is not None else None,
+            list(self.tool_calls) if self.tool_calls is not None else None,
         )
 
 
@@ -111,7 +120,10 @@ class RequestStream:
                     merged[c.index].extend(c)
                 else:  # a copy: merging extends it in place
                     lps = list(c.logprobs) if c.logprobs is not None else None
-                    merged[c.index] = replace(c, token_ids=list(c.token_ids), logprobs=lps)
+                    calls = [replace(t) for t in c.tool_calls] if c.tool_calls else None
+                    merged[c.index] = replace(
+                        c, token_ids=list(c.token_ids), logprobs=lps, tool_calls=calls
+                    )
             if d.finished:
                 self.finished, self.metrics = True, d.metrics
         self.events = [merged[i] for i in sorted(merged)]

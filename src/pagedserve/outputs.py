@@ -2,10 +2,27 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 # One position's logprobs: token id -> logprob (the sampled token is always present).
 TokenLogprobs = dict[int, float]
+
+
+@dataclass
+class ToolCallDelta:
+    """A fragment of a tool call being streamed: its id and name come once, in its first."""
+
+    index: int  # which of the completion's calls
+    arguments: str  # the next piece of the arguments' JSON text
+    id: str | None = None
+    name: str | None = None
+
+
+@dataclass
+class ToolCall:
+    id: str
+    name: str
+    arguments: str  # JSON text
 
 
 @dataclass
@@ -16,8 +33,10 @@ class CompletionDelta:
     text: str  # new text safe to show (held back while a stop string may still be forming)
     token_ids: list[int]
     logprobs: list[TokenLogprobs] | None = None  # one entry per new token, when asked for
-    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    # 'stop' | 'length' | 'abort' | 'grammar_dead_end' | 'tool_calls' (set by the tool parser)
+    finish_reason: str | None = None
     stop_reason: str | int | None = None  # the stop string or stop token id that fired
+    tool_calls: list[ToolCallDelta] | None = None  # set by a tool-call output processor
 
     @property
     def finished(self) -> bool:
@@ -31,6 +50,14 @@ class CompletionDelta:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs += later.logprobs
+        for call in later.tool_calls or []:
+            if self.tool_calls is None:
+                self.tool_calls = []
+            last = self.tool_calls[-1] if self.tool_calls else None
+            if last is not None and last.index == call.index and call.id is None:
+                last.arguments += call.arguments
+            else:
+                self.tool_calls.append(replace(call))
         if later.finish_reason is not None:
             self.finish_reason, self.stop_reason = later.finish_reason, later.stop_reason
 
@@ -60,9 +87,10 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None  # 'stop' | 'length' | 'abort'
+    finish_reason: str | None = None  # as CompletionDelta's
     stop_reason: str | int | None = None  # the stop string or stop token id that fired
     logprobs: list[TokenLogprobs] | None = None
+    tool_calls: list[ToolCall] | None = None
 
     @property
     def finished(self) -> bool:

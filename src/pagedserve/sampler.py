@@ -1,27 +1,31 @@
 """Next-token choice for every sampling row of a step, as tensor code over the whole batch.
 
-Order per row: penalties, min_tokens and token constraints (masks) -> (greedy argmax) ->
-temperature -> min-p, top-k, top-p -> draw.
+Order per row: token constraints (the step's grammar masks), penalties, min_tokens ->
+(greedy argmax) -> temperature -> min-p, top-k, top-p -> draw.
 Seeded rows draw from their own generator, so their tokens do not depend on the rest of the
 batch; the others share one draw over the batch.
-Logprobs are those of the model's raw distribution (before penalties and temperature).
+Logprobs are those of the model's raw distribution (before penalties and temperature), after
+the grammar's mask for constrained rows: the distribution they are sampled from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from pagedserve.cpu_kernels import ops
 from pagedserve.outputs import TokenLogprobs
 from pagedserve.sequence import Sequence
+from pagedserve.structured.bitmask import StepMask, apply_bitmask, rows_without_tokens
 
 
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    # Rows whose grammar allowed no token: their sampled token is meaningless.
+    dead_rows: list[int] = field(default_factory=list)
 
 
 def _padded(rows: list[list[int]], vocab: int) -> torch.Tensor:
@@ -60,13 +64,6 @@ def _block_stop_tokens(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list
         if len(s.output_token_ids) < s.params.min_tokens:
             banned = s.params.stop_token_ids + ([] if s.params.ignore_eos else eos_ids)
             logits[row, banned] = float("-inf")
-
-
-def _apply_constraints(logits: torch.Tensor, seqs: list[Sequence]) -> None:
-    """Forbid the tokens each constrained row's constraint does not allow."""
-    for row, s in enumerate(seqs):
-        if s.constraint is not None:
-            logits[row].masked_fill_(~s.constraint.allowed(logits.shape[1]), float("-inf"))
 
 
 def _filter(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -108,17 +105,22 @@ def _argmax(logits: torch.Tensor) -> torch.Tensor:
     return ops().argmax_rows(logits) if logits.is_cpu else logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> SamplerOutput:
+def sample(
+    logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int], mask: StepMask | None = None
+) -> SamplerOutput:
     """logits: [len(seqs), vocab] for each sequence's last position, in the model's dtype
-    (all arithmetic on them is in float32)."""
+    (all arithmetic on them is in float32); `mask` constrains some of the rows."""
+    if mask is not None:
+        logits = apply_bitmask(logits, mask)
     raw = logits
     logits = apply_penalties(logits, seqs)
     if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
         logits = logits.to(torch.float32, copy=True)
         _block_stop_tokens(logits, seqs, eos_ids)
-    if any(s.constraint is not None for s in seqs):
+    dead = rows_without_tokens(logits, mask) if mask is not None else []
+    if dead:  # give them something finite to draw from; their tokens are dropped
         logits = logits.to(torch.float32, copy=True)
-        _apply_constraints(logits, seqs)
+        logits[dead] = 0.0
     greedy = [s.params.greedy for s in seqs]
     if all(greedy):
         tokens = _argmax(logits)
@@ -145,6 +147,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int]) -> Sa
                 for tid, val in zip(
                     top_ids[row, :w].tolist(), top_vals[row, :w].tolist(), strict=True
                 ):
-                    entry.setdefault(tid, val)
+                    if val > float("-inf"):  # tokens a grammar forbids are not alternatives
+                        entry.setdefault(tid, val)
             logprobs[row] = entry
-    return SamplerOutput(token_list, logprobs)
+    return SamplerOutput(token_list, logprobs, dead)

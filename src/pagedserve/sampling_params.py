@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.structured.spec import StructuredSpec
+
 
 @dataclass
 class SamplingParams:
@@ -23,6 +25,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    # Constrained decoding: every completion is a sentence of this grammar.
+    structured: StructuredSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -18,6 +18,8 @@ class SequenceStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # The constraint left no token to sample (e.g. it is complete but min_tokens forbids EOS).
+    FINISHED_GRAMMAR = "grammar_dead_end"
 
     @property
     def finished(self) -> bool:
@@ -25,18 +27,31 @@ class SequenceStatus(enum.Enum):
             SequenceStatus.FINISHED_STOPPED,
             SequenceStatus.FINISHED_LENGTH,
             SequenceStatus.FINISHED_ABORTED,
+            SequenceStatus.FINISHED_GRAMMAR,
         )
 
 
 class TokenConstraint(Protocol):
     """Limits which tokens a sequence may sample next (the seam for a grammar: structured
-    output). The sampler masks every other token; the engine reports each sampled one."""
+    output). Its masks are filled for a whole step at once while the forward pass runs and
+    applied to the logits as one tensor op; the engine reports each sampled token."""
 
-    def allowed(self, vocab_size: int) -> torch.Tensor:
-        """[vocab_size] bool: the tokens that may come next."""
+    def fill_mask(self, words: torch.Tensor) -> None:
+        """Write the tokens that may come next into `words` ([ceil(vocab / 32)] int32, token t
+        allowed when bit t % 32 of word t // 32 is set); may run on another thread."""
         ...
 
-    def advance(self, token_id: int) -> None: ...
+    def advance(self, token_id: int) -> bool:
+        """Take the sampled token; False when the constraint cannot accept it."""
+        ...
+
+    def is_complete(self) -> bool:
+        """Nothing but the end of the output can follow."""
+        ...
+
+    def fork(self) -> TokenConstraint:
+        """An independent copy in the same state (one per completion of a request)."""
+        ...
 
 
 @dataclass(eq=False)
@@ -63,6 +78,8 @@ class Sequence:
     # Chained hashes of this sequence's full pages, in order (prefix caching).
     block_hashes: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Advanced by every output token; it lives on the sequence, so preemption by recompute
+    # (which keeps the output tokens) keeps its state.
     constraint: TokenConstraint | None = None
     num_preemptions: int = 0
     first_scheduled_time: float | None = None

@@ -5,6 +5,8 @@ workers, each sending the next prompt as soon as its previous one finished) or, 
 --request-rate, an open loop of Poisson arrivals capped at that many requests in flight. Requests
 stream (SSE) so that every token can be timed: time to first token (TTFT), time per output token
 after the first (TPOT) and the gaps between streamed chunks (inter-token latency, ITL).
+With --structured every request is constrained to a JSON schema of its own (vLLM's
+structured_outputs), to compare constrained decoding with the same prompts unconstrained.
 
 One asyncio loop and one aiohttp connection pool (the client of vLLM's benchmark too): on a
 machine whose cores also run the server, the client must cost little CPU, or it lowers what it
@@ -71,6 +73,7 @@ class BenchConfig:
     unique_prompts: bool = True
     shared_prefixes: int = 0  # K > 0: K long system prompts, requests interleaved over them
     prefix_len: int = 512  # tokens of each shared system prompt
+    structured: bool = False
 
 
 # ---- prompts --------------------------------------------------------------------------------
@@ -113,6 +116,21 @@ def level_prompts(cfg: BenchConfig, prompts: list[str], prefixes: list[str], tag
 
 
 # ---- one request ----------------------------------------------------------------------------
+def request_schema(i: int) -> dict[str, Any]:
+    """Request i's JSON schema: distinct per request (each is compiled once), and long (64
+    notes at least), so that constrained outputs run to max_tokens like unconstrained ones."""
+    return {
+        "type": "object",
+        "properties": {
+            "id": {"const": i},
+            "topic": {"type": "string", "maxLength": 40},
+            "notes": {"type": "array", "items": {"type": "string"}, "minItems": 64},
+        },
+        "required": ["id", "topic", "notes"],
+        "additionalProperties": False,
+    }
+
+
 def _payload(cfg: BenchConfig, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -217,6 +235,10 @@ async def run_benchmark(
                 for p in level_prompts(cfg, prompts, prefixes or [], f"{nonce}-{level}")
             ]
             counters = await prefix_cache_counters(client, root) if prefixes else None
+            if cfg.structured:
+                for i, body in enumerate(bodies):
+                    schema = request_schema(level * len(bodies) + i)
+                    body["structured_outputs"] = {"json": schema}
             with tqdm(
                 total=len(bodies),
                 desc=f"concurrency {c}",
@@ -281,6 +303,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         unique_prompts=args.unique_prompts,
         shared_prefixes=args.shared_prefixes,
         prefix_len=args.prefix_len,
+        structured=args.structured,
     )
 
 

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedserve.output_stream import RequestStream
-from pagedserve.outputs import TokenLogprobs
+from pagedserve.output_stream import ChoiceStream, RequestStream
+from pagedserve.outputs import CompletionDelta, TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
 from pagedserve.server.errors import APIError, engine_error
@@ -18,6 +18,7 @@ from pagedserve.server.http_stream import DONE, SlotStreamingResponse, sse, unle
 from pagedserve.server.logprobs import TokenText, format_logprobs
 from pagedserve.server.serving import OpenAIServing
 from pagedserve.server.state import Slot
+from pagedserve.tools.parser import ToolCallProcessor
 
 PROTOCOL = "http"
 
@@ -42,6 +43,33 @@ def chat_logprobs(
     )
 
 
+def response_message(o: ChoiceStream) -> P.ChatResponseMessage:
+    if not o.tool_calls:
+        return P.ChatResponseMessage(content=o.text)
+    calls = [
+        P.ResponseToolCall(
+            id=c.id, function=P.ResponseFunctionCall(name=c.name, arguments=c.arguments)
+        )
+        for c in o.tool_calls
+    ]
+    return P.ChatResponseMessage(content=o.text.strip() or None, tool_calls=calls)
+
+
+def delta_message(e: CompletionDelta) -> P.DeltaMessage:
+    if not e.tool_calls:
+        return P.DeltaMessage(content=e.text)
+    calls = [
+        P.DeltaToolCall(
+            index=c.index,
+            id=c.id,
+            type="function" if c.id else None,
+            function=P.DeltaFunctionCall(name=c.name, arguments=c.arguments),
+        )
+        for c in e.tool_calls
+    ]
+    return P.DeltaMessage(content=e.text or None, tool_calls=calls)
+
+
 async def create_chat_completion(
     serving: OpenAIServing,
     req: P.ChatCompletionRequest,
@@ -49,10 +77,12 @@ async def create_chat_completion(
     slot: Slot,
     arrival: float,
 ) -> Response:
-    prompt, params = serving.prepare_chat(req)
+    prompt, params, plan = serving.prepare_chat(req)
+    await serving.compile_grammars(plan)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     top_n = req.top_logprobs or 0
-    (stream,) = serving.streams([prompt], params, rid)
+    processor = (lambda _: ToolCallProcessor()) if plan.parse_tools else None
+    (stream,) = serving.streams([prompt], params, rid, processor)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         chunks = _stream(serving, rid, stream, params, arrival, top_n, include_usage)
@@ -69,7 +99,7 @@ async def create_chat_completion(
         choices.append(
             P.ChatChoice(
                 index=o.index,
-                message=P.ChatResponseMessage(content=o.text),
+                message=response_message(o),
                 logprobs=logprobs,
                 finish_reason=o.finish_reason,
                 stop_reason=o.stop_reason,
@@ -116,7 +146,7 @@ async def _stream(
                 choices.append(
                     P.ChatStreamChoice(
                         index=e.index,
-                        delta=P.DeltaMessage(content=e.text),
+                        delta=delta_message(e),
                         logprobs=logprobs,
                         finish_reason=e.finish_reason,
                         stop_reason=e.stop_reason,

@@ -39,7 +39,8 @@ def completion_logprobs(
 async def create_completion(
     serving: OpenAIServing, req: P.CompletionRequest, request: Request, slot: Slot, arrival: float
 ) -> Response:
-    prompts, params = serving.prepare_completion(req)
+    prompts, params, plan = serving.prepare_completion(req)
+    await serving.compile_grammars(plan)
     if req.echo:
         for p in prompts:
             if p.text is None:

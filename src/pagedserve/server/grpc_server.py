@@ -29,6 +29,7 @@ from pagedserve.output_stream import ChoiceStream, RequestStream
 from pagedserve.outputs import CompletionDelta
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
+from pagedserve.server.constraints import OutputPlan
 from pagedserve.server.errors import APIError, bad_request, from_validation_error
 from pagedserve.server.logprobs import TokenText, format_logprobs
 from pagedserve.server.serving import OpenAIServing
@@ -61,6 +62,7 @@ _FINISH = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
     "abort": pb.FINISH_REASON_ABORT,
+    "grammar_dead_end": pb.FINISH_REASON_GRAMMAR_DEAD_END,
 }
 # GenerateRequest fields with presence, passed on to CompletionRequest only when set (so that
 # unset ones take the HTTP API's defaults).
@@ -94,6 +96,7 @@ class _Job:
     params: SamplingParams
     arrival: float
     slot: Slot
+    plan: OutputPlan  # its grammars are compiled before the request reaches the engine
 
 
 class GenerationServicer(pb_grpc.GenerationServicer):
@@ -159,6 +162,12 @@ class GenerationServicer(pb_grpc.GenerationServicer):
             fields["stop"] = list(m.stop)
         if m.stop_token_ids:
             fields["stop_token_ids"] = list(m.stop_token_ids)
+        if m.HasField("structured_outputs"):
+            so = m.structured_outputs
+            given = {k: getattr(so, k) for k in ("json", "regex", "grammar") if so.HasField(k)}
+            if so.choice:
+                given["choice"] = list(so.choice)
+            fields["structured_outputs"] = given
         try:
             return P.CompletionRequest.model_validate(fields)
         except ValidationError as e:
@@ -170,19 +179,20 @@ class GenerationServicer(pb_grpc.GenerationServicer):
         serving = self.state.ready()
         slot = self.state.admit(PROTOCOL)
         try:
-            (prompt,), params = serving.prepare_completion(self._completion_request(m))
+            (prompt,), params, plan = serving.prepare_completion(self._completion_request(m))
         except BaseException:
             slot.release()
             raise
         rid = m.request_id or f"grpc-{uuid.uuid4().hex}"
         stream = RequestStream(rid, prompt.ids, params.n, prompt.text, params.logprobs is not None)
-        return serving, _Job(stream, params, arrival, slot)
+        return serving, _Job(stream, params, arrival, slot, plan)
 
     async def _events(
         self, serving: OpenAIServing, job: _Job
     ) -> AsyncIterator[list[CompletionDelta]]:
         gen = serving.generate([job.stream], job.params, job.arrival, PROTOCOL)
         try:
+            await serving.compile_grammars(job.plan)
             async for _, events in gen:
                 yield events
         finally:

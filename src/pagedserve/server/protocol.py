@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 from pagedserve.outputs import Usage
 
@@ -24,6 +24,31 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's request object: exactly one of these constrains the output."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None  # Lark (llguidance's dialect)
 
 
 class _SamplingFields(_Request):
@@ -49,6 +74,9 @@ class _SamplingFields(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     include_stop_str_in_output: bool = False
+    # Structured output: OpenAI's response_format or vLLM's structured_outputs.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -65,10 +93,44 @@ class TextContentPart(_Request):
     text: str
 
 
+class FunctionCall(_Request):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatMessage(_Request):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # tool turns: the call they answer
 
     def text(self) -> str:
         if self.content is None:
@@ -78,20 +140,14 @@ class ChatMessage(_Request):
         return "".join(p.text for p in self.content)
 
 
-class ResponseFormat(_Request):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    response_format: ResponseFormat | None = None
-    # Tools are not implemented: declared so that using them gets a clear 400.
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
 
@@ -165,9 +221,41 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob] | None = None
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(_Response):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # OpenAI sends a call's name only in its first delta
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):  # and its id and type
+        return {k: v for k, v in handler(self).items() if v is not None}
 
 
 class ChatChoice(_Response):
@@ -190,6 +278,7 @@ class ChatCompletionResponse(_Response):
 class DeltaMessage(_Response):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatStreamChoice(_Response):

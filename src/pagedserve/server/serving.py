@@ -9,19 +9,22 @@ consume `generate`: one `RequestStream` per prompt and its events, metrics recor
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import jinja2
 
 from pagedserve.async_engine import AsyncEngine, EngineStepError
-from pagedserve.output_stream import RequestStream
+from pagedserve.output_stream import OutputProcessor, RequestStream
 from pagedserve.outputs import CompletionDelta, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
+from pagedserve.server.constraints import OutputPlan, chat_plan, compile_checks, completion_plan
 from pagedserve.server.errors import APIError, bad_request, engine_error, param_from_value_error
 from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.structured.spec import StructuredSpec
+from pagedserve.tools import prompt as tool_prompt
 
 
 @dataclass
@@ -47,7 +50,12 @@ class OpenAIServing:
             )
 
     def _sampling_params(
-        self, req: P._SamplingFields, max_tokens: int | None, logprobs: int | None, rename
+        self,
+        req: P._SamplingFields,
+        max_tokens: int | None,
+        logprobs: int | None,
+        rename,
+        structured: StructuredSpec | None,
     ) -> SamplingParams:
         if req.logit_bias:
             raise bad_request("logit_bias is not supported", "logit_bias")
@@ -78,6 +86,7 @@ class OpenAIServing:
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
                 include_stop_str_in_output=req.include_stop_str_in_output,
+                structured=structured,
             )
         except ValueError as e:
             raise bad_request(str(e), param_from_value_error(e, rename)) from None
@@ -97,7 +106,12 @@ class OpenAIServing:
             raise bad_request(str(e), param) from None
         return Prompt(ids, text)
 
-    def chat_prompt(self, messages: list[P.ChatMessage], add_generation_prompt: bool = True):
+    def chat_prompt(
+        self,
+        messages: list[P.ChatMessage],
+        add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+    ):
         if not messages:
             raise bad_request("messages must not be empty", "messages")
         conversation = []
@@ -105,10 +119,16 @@ class OpenAIServing:
             msg = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
             if m.name is not None:
                 msg["name"] = m.name
+            if m.tool_calls:
+                msg["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
             conversation.append(msg)
+        renders_tools = tool_prompt.template_renders_tools(self.tokenizer.chat_template)
+        conversation, extra = tool_prompt.for_template(conversation, tools, renders_tools)
         try:
             text = self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, tokenize=False
+                conversation, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
             )
         except (jinja2.TemplateError, ValueError) as e:
             raise bad_request(
@@ -116,7 +136,9 @@ class OpenAIServing:
             ) from None
         return Prompt(self.tokenizer.encode(text, add_special_tokens=False), text)
 
-    def prepare_completion(self, req: P.CompletionRequest) -> tuple[list[Prompt], SamplingParams]:
+    def prepare_completion(
+        self, req: P.CompletionRequest
+    ) -> tuple[list[Prompt], SamplingParams, OutputPlan]:
         self.check_model(req.model)
         if req.best_of is not None and req.best_of != req.n:
             raise bad_request("best_of is not supported (use n)", "best_of")
@@ -127,7 +149,8 @@ class OpenAIServing:
                 "echo together with logprobs is not supported (prompt logprobs are not computed)",
                 "logprobs",
             )
-        params = self._sampling_params(req, req.max_tokens, req.logprobs, None)
+        plan = completion_plan(req)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs, None, plan.spec)
         raw = req.prompt
         if isinstance(raw, list) and raw and not isinstance(raw[0], int):
             items: list[str | list[int]] = list(raw)
@@ -141,12 +164,12 @@ class OpenAIServing:
             p = self._tokenize(item, pname)
             self._check_prompt(p, params, "max_tokens", pname)
             prompts.append(p)
-        return prompts, params
+        return prompts, params, plan
 
-    def prepare_chat(self, req: P.ChatCompletionRequest) -> tuple[Prompt, SamplingParams]:
+    def prepare_chat(
+        self, req: P.ChatCompletionRequest
+    ) -> tuple[Prompt, SamplingParams, OutputPlan]:
         self.check_model(req.model)
-        if req.tools or req.tool_choice not in (None, "none"):
-            raise bad_request("tools are not supported", "tools")
         if req.top_logprobs is not None and not req.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
         max_param = (
@@ -157,17 +180,30 @@ class OpenAIServing:
         )
         logprobs = (req.top_logprobs or 0) if req.logprobs else None
         rename = {"max_tokens": max_param, "logprobs": "top_logprobs"}
-        params = self._sampling_params(req, max_tokens, logprobs, rename)
-        prompt = self.chat_prompt(req.messages)
+        plan = chat_plan(req)
+        params = self._sampling_params(req, max_tokens, logprobs, rename, plan.spec)
+        prompt = self.chat_prompt(req.messages, tools=plan.tools)
         self._check_prompt(prompt, params, max_param, "messages")
-        return prompt, params
+        return prompt, params, plan
+
+    async def compile_grammars(self, plan: OutputPlan) -> None:
+        """Build the plan's grammars into the engine's cache, off the event loop; a 400 naming
+        the field of one that fails. The request waits here; the engine never does."""
+        await compile_checks(self.engine.grammars, plan.checks)
 
     # ---- generation ----------------------------------------------------------------------
     @staticmethod
-    def streams(prompts: list[Prompt], params: SamplingParams, base_id: str) -> list[RequestStream]:
+    def streams(
+        prompts: list[Prompt],
+        params: SamplingParams,
+        base_id: str,
+        processor: Callable[[int], OutputProcessor] | None = None,
+    ) -> list[RequestStream]:
         """One engine request per prompt, `{base_id}-{i}`."""
         return [
-            RequestStream(f"{base_id}-{i}", p.ids, params.n, p.text, params.logprobs is not None)
+            RequestStream(
+                f"{base_id}-{i}", p.ids, params.n, p.text, params.logprobs is not None, processor
+            )
             for i, p in enumerate(prompts)
         ]
 

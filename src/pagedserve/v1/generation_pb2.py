@@ -24,41 +24,43 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\x83\x05\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x42\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xde\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x93\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x9e\x03\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x05\n\x0fGenerateRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12\x12\n\nrequest_id\x18\x03 \x01(\t\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x18\n\x0btemperature\x18\x05 \x01(\x01H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x06 \x01(\x01H\x03\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x04\x88\x01\x01\x12\x12\n\x05min_p\x18\x08 \x01(\x01H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\t \x01(\x01H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\n \x01(\x01H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x08\x88\x01\x01\x12\x11\n\x04seed\x18\x0c \x01(\x03H\t\x88\x01\x01\x12\x0c\n\x04stop\x18\r \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0e \x03(\r\x12\x12\n\nignore_eos\x18\x0f \x01(\x08\x12\x15\n\x08logprobs\x18\x10 \x01(\rH\n\x88\x01\x01\x12\x0e\n\x01n\x18\x11 \x01(\rH\x0b\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x12 \x01(\r\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12<\n\x12structured_outputs\x18\x14 \x01(\x0b\x32 .pagedserve.v1.StructuredOutputsB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x7f\n\x11StructuredOutputs\x12\x11\n\x04json\x18\x01 \x01(\tH\x00\x88\x01\x01\x12\x12\n\x05regex\x18\x02 \x01(\tH\x01\x88\x01\x01\x12\x0e\n\x06\x63hoice\x18\x03 \x03(\t\x12\x14\n\x07grammar\x18\x04 \x01(\tH\x02\x88\x01\x01\x42\x07\n\x05_jsonB\x08\n\x06_regexB\n\n\x08_grammar\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\"q\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x01\x12/\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.TopLogprob\"\xde\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12-\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\rH\x00\x42\r\n\x0bstop_reason\"O\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\r\"{\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12.\n\x0b\x63ompletions\x18\x02 \x03(\x0b\x32\x19.pagedserve.v1.Completion\x12#\n\x05usage\x18\x03 \x01(\x0b\x32\x14.pagedserve.v1.Usage\"W\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x00\x88\x01\x01\x42\x15\n\x13_add_special_tokens\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x12\n\x10ModelInfoRequest\"\x93\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04root\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12\x17\n\x0fkv_cache_tokens\x18\x07 \x01(\r*\x9c\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\"\n\x1e\x46INISH_REASON_GRAMMAR_DEAD_END\x10\x04\x32\x9e\x03\n\nGeneration\x12K\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse\x12S\n\x0eGenerateStream\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12N\n\tModelInfo\x12\x1f.pagedserve.v1.ModelInfoRequest\x1a .pagedserve.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1727
-  _globals['_FINISHREASON']._serialized_end=1847
+  _globals['_FINISHREASON']._serialized_start=1919
+  _globals['_FINISHREASON']._serialized_end=2075
   _globals['_TOKENIDS']._serialized_start=49
   _globals['_TOKENIDS']._serialized_end=72
   _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=718
-  _globals['_TOPLOGPROB']._serialized_start=720
-  _globals['_TOPLOGPROB']._serialized_end=782
-  _globals['_TOKENLOGPROB']._serialized_start=784
-  _globals['_TOKENLOGPROB']._serialized_end=897
-  _globals['_COMPLETION']._serialized_start=900
-  _globals['_COMPLETION']._serialized_end=1122
-  _globals['_USAGE']._serialized_start=1124
-  _globals['_USAGE']._serialized_end=1203
-  _globals['_GENERATERESPONSE']._serialized_start=1205
-  _globals['_GENERATERESPONSE']._serialized_end=1328
-  _globals['_TOKENIZEREQUEST']._serialized_start=1330
-  _globals['_TOKENIZEREQUEST']._serialized_end=1417
-  _globals['_TOKENIZERESPONSE']._serialized_start=1419
-  _globals['_TOKENIZERESPONSE']._serialized_end=1479
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1481
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1519
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1521
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1555
-  _globals['_MODELINFOREQUEST']._serialized_start=1557
-  _globals['_MODELINFOREQUEST']._serialized_end=1575
-  _globals['_MODELINFORESPONSE']._serialized_start=1578
-  _globals['_MODELINFORESPONSE']._serialized_end=1725
-  _globals['_GENERATION']._serialized_start=1850
-  _globals['_GENERATION']._serialized_end=2264
+  _globals['_GENERATEREQUEST']._serialized_end=780
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=782
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=909
+  _globals['_TOPLOGPROB']._serialized_start=911
+  _globals['_TOPLOGPROB']._serialized_end=973
+  _globals['_TOKENLOGPROB']._serialized_start=975
+  _globals['_TOKENLOGPROB']._serialized_end=1088
+  _globals['_COMPLETION']._serialized_start=1091
+  _globals['_COMPLETION']._serialized_end=1313
+  _globals['_USAGE']._serialized_start=1315
+  _globals['_USAGE']._serialized_end=1394
+  _globals['_GENERATERESPONSE']._serialized_start=1396
+  _globals['_GENERATERESPONSE']._serialized_end=1519
+  _globals['_TOKENIZEREQUEST']._serialized_start=1521
+  _globals['_TOKENIZEREQUEST']._serialized_end=1608
+  _globals['_TOKENIZERESPONSE']._serialized_start=1610
+  _globals['_TOKENIZERESPONSE']._serialized_end=1670
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1672
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1710
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1712
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1746
+  _globals['_MODELINFOREQUEST']._serialized_start=1748
+  _globals['_MODELINFOREQUEST']._serialized_end=1766
+  _globals['_MODELINFORESPONSE']._serialized_start=1769
+  _globals['_MODELINFORESPONSE']._serialized_end=1916
+  _globals['_GENERATION']._serialized_start=2078
+  _globals['_GENERATION']._serialized_end=2492
 # @@protoc_insertion_point(module_scope)
