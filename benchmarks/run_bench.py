@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from run_dp_bench import DP_HEADING
 
 from pagedserve.bench.serve_report import format_table, plot
 from pagedserve.cpu_kernels import isa
@@ -499,6 +500,13 @@ def kv_section(quick: bool) -> str:
     return "\n".join(parts)
 
 
+def dp_section(results: Path) -> str:
+    """The section benchmarks/run_dp_bench.py writes at the end, kept as it is."""
+    text = results.read_text() if results.exists() else ""
+    start = text.find(DP_HEADING)
+    return "" if start < 0 else "\n" + text[start:]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="8 prompts x 16 tokens at 1,4")
@@ -521,7 +529,7 @@ def main() -> int:
     if args.kv_only:
         results = out_dir / "RESULTS.md"
         serving = results.read_text().split(KV_HEADING)[0].rstrip() + "\n\n"
-        results.write_text(serving + kv_section(args.quick))
+        results.write_text(serving + kv_section(args.quick) + dp_section(results))
         print(results.read_text())
         return 0
     log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
@@ -546,7 +554,7 @@ def main() -> int:
         title=f"SmolLM2-135M-Instruct, {max_tokens} output tokens, {data['machine']['nproc']} CPUs",
     )
     report = render(data, runs, args.quick).rstrip() + "\n\n" + kv_section(args.quick)
-    (out_dir / "RESULTS.md").write_text(report)
+    (out_dir / "RESULTS.md").write_text(report + dp_section(out_dir / "RESULTS.md"))
     print((out_dir / "RESULTS.md").read_text())
     print(f"wrote {out_dir}/RESULTS.md, results.json, throughput.png (server logs: {log_dir})")
     return 0

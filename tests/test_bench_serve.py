@@ -89,7 +89,7 @@ class FakeServer:
         return resp
 
 
-async def _serve_and_bench(fake: FakeServer, **cfg_kw):
+async def _serve_and_bench(fake: FakeServer, prefixes: list[str] | None = None, **cfg_kw):
     app = web.Application()
     app.router.add_get("/v1/models", fake.models)
     app.router.add_post("/v1/completions", fake.completions)
@@ -100,13 +100,13 @@ async def _serve_and_bench(fake: FakeServer, **cfg_kw):
     try:
         host, port = runner.addresses[0][:2]
         cfg = BenchConfig(base_url=f"http://{host}:{port}", **cfg_kw)
-        return cfg, await run_benchmark(cfg, PROMPTS, show_progress=False)
+        return cfg, await run_benchmark(cfg, PROMPTS, show_progress=False, prefixes=prefixes)
     finally:
         await runner.cleanup()
 
 
-def run_fake(fake: FakeServer, **cfg_kw):
-    return asyncio.run(_serve_and_bench(fake, **cfg_kw))[1]
+def run_fake(fake: FakeServer, prefixes: list[str] | None = None, **cfg_kw):
+    return asyncio.run(_serve_and_bench(fake, prefixes, **cfg_kw))[1]
 
 
 def test_streaming_counts_and_times_tokens():
@@ -150,6 +150,21 @@ def test_prompts_are_unique_per_request_and_level_unless_disabled():
     fake = FakeServer(tokens=1)
     run_fake(fake, concurrency=[1, 2], unique_prompts=False, warmup=False)
     assert [b["prompt"] for b in fake.bodies] == PROMPTS * 2
+
+
+def test_shared_prefix_workload_interleaves_system_prompts():
+    fake = FakeServer(tokens=1)
+    prefixes = ["SYSTEM A " * 4, "SYSTEM B " * 4]
+    _, levels = run_fake(fake, prefixes, concurrency=[1, 1], warmup=False, shared_prefixes=2)
+    prompts = [b["prompt"] for b in fake.bodies]
+    first, second = prompts[:6], prompts[6:]
+    for level in (first, second):
+        heads = [p.rsplit("\n", 1)[0] for p in level]  # marker and system prompt
+        assert heads[0::2] == [heads[0]] * 3 and heads[1::2] == [heads[1]] * 3
+        assert heads[0] != heads[1] and heads[0].endswith(prefixes[0])
+        assert [p.rsplit("\n", 1)[1] for p in level] == PROMPTS
+    assert not set(first) & set(second)  # a level reuses no prefix of the one before
+    assert all(lv.prefix_hit_rate is None for lv in levels)  # the fake has no /metrics
 
 
 def test_structured_requests_carry_a_schema_each():

@@ -28,12 +28,20 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     from pagedserve.config import EngineConfig
-    from pagedserve.server.api_server import run_server
+    from pagedserve.ray_serve.config import DataParallelConfig, require_ray
     from pagedserve.server.config import ServerConfig
 
-    return run_server(
-        dataclass_from_args(EngineConfig, args), dataclass_from_args(ServerConfig, args)
-    )
+    engine = dataclass_from_args(EngineConfig, args)
+    server = dataclass_from_args(ServerConfig, args)
+    dp = dataclass_from_args(DataParallelConfig, args)
+    if dp.data_parallel_size > 1:
+        require_ray()
+        from pagedserve.ray_serve.launch import run_data_parallel
+
+        return run_data_parallel(engine, server, dp)
+    from pagedserve.server.api_server import run_server
+
+    return run_server(engine, server)
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:
@@ -69,6 +77,7 @@ def _int_list(text: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     from pagedserve.config import EngineConfig
+    from pagedserve.ray_serve.config import DataParallelConfig
     from pagedserve.server.config import ServerConfig
 
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
@@ -86,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="Serve the OpenAI-compatible HTTP API")
     add_dataclass_flags(serve, EngineConfig)
     add_dataclass_flags(serve, ServerConfig)
+    add_dataclass_flags(serve, DataParallelConfig)
     serve.set_defaults(func=_cmd_serve)
 
     bench = sub.add_parser("bench", help="Benchmarks")
@@ -174,6 +184,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=True,
         help="Start each prompt with a marker unique to the run, level and request, so that "
         "prefix caches cannot reuse prompts repeated across levels",
+    )
+    srv.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        metavar="K",
+        help="Shared-prefix workload: K synthetic system prompts, request i continuing prompt "
+        "i mod K (interleaved); reports the server's prefix-cache hit rate (default 0: off)",
+    )
+    srv.add_argument(
+        "--prefix-len", type=int, default=512, help="Tokens of each shared system prompt"
     )
     srv.add_argument(
         "--structured",

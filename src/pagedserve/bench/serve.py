@@ -35,11 +35,21 @@ import aiohttp
 import uvloop
 from tqdm import tqdm
 
-from pagedserve.bench.serve_client import RequestResult, fetch_model, send_plain, send_streaming
+from pagedserve.bench.serve_client import (
+    RequestResult,
+    fetch_model,
+    hit_rate,
+    prefix_cache_counters,
+    send_plain,
+    send_streaming,
+)
 from pagedserve.bench.serve_prompts import load_dataset, synthetic_prompts
 from pagedserve.bench.serve_report import LevelResult, format_table, plot, summarize
 
 WARMUP_TOKENS = 4
+# Before reading a level's closing prefix-cache counters: a data-parallel server's replicas
+# push theirs to its /metrics every second.
+METRICS_SETTLE_S = 1.5
 
 
 @dataclass
@@ -61,6 +71,8 @@ class BenchConfig:
     api_key: str | None = None
     warmup: bool = True
     unique_prompts: bool = True
+    shared_prefixes: int = 0  # K > 0: K long system prompts, requests interleaved over them
+    prefix_len: int = 512  # tokens of each shared system prompt
     structured: bool = False
 
 
@@ -74,6 +86,13 @@ def select_prompts(cfg: BenchConfig) -> list[str]:
     return [pool[i % len(pool)] for i in range(cfg.num_prompts)]
 
 
+def select_prefixes(cfg: BenchConfig) -> list[str]:
+    """The shared-prefix workload's system prompts (none unless --shared-prefixes)."""
+    if cfg.shared_prefixes < 1:
+        return []
+    return synthetic_prompts(cfg.shared_prefixes, cfg.prefix_len, cfg.seed + 1, cfg.tokenizer)
+
+
 def tag_prompt(prompt: str, tag: str, cfg: BenchConfig) -> str:
     """The prompt behind a marker unique to this run, level and request.
 
@@ -82,6 +101,18 @@ def tag_prompt(prompt: str, tag: str, cfg: BenchConfig) -> str:
     real workload gives it. A distinct first line makes every prompt's first KV page unique.
     """
     return f"[{tag}]\n{prompt}" if cfg.unique_prompts else prompt
+
+
+def level_prompts(cfg: BenchConfig, prompts: list[str], prefixes: list[str], tag: str) -> list[str]:
+    """One level's prompts. With shared prefixes, request i continues system prompt i mod K
+    (interleaved, as many users of a few applications arrive), the prompt's marker unique to
+    the run, level and system prompt: each level reuses nothing of the levels before it."""
+    if not prefixes:
+        return [tag_prompt(p, f"{tag}-{i}", cfg) for i, p in enumerate(prompts)]
+    k = len(prefixes)
+    return [
+        tag_prompt(f"{prefixes[i % k]}\n{p}", f"{tag}-p{i % k}", cfg) for i, p in enumerate(prompts)
+    ]
 
 
 # ---- one request ----------------------------------------------------------------------------
@@ -173,6 +204,7 @@ async def run_benchmark(
     cfg: BenchConfig,
     prompts: list[str],
     show_progress: bool = True,
+    prefixes: list[str] | None = None,
 ) -> tuple[str, list[LevelResult]]:
     """The model id used and one result per concurrency level, in order."""
     root = api_root(cfg.base_url)
@@ -199,9 +231,10 @@ async def run_benchmark(
         levels = []
         for level, c in enumerate(cfg.concurrency):
             bodies = [
-                _payload(cfg, model, tag_prompt(p, f"{nonce}-{level}-{i}", cfg), cfg.max_tokens)
-                for i, p in enumerate(prompts)
+                _payload(cfg, model, p, cfg.max_tokens)
+                for p in level_prompts(cfg, prompts, prefixes or [], f"{nonce}-{level}")
             ]
+            counters = await prefix_cache_counters(client, root) if prefixes else None
             if cfg.structured:
                 for i, body in enumerate(bodies):
                     schema = request_schema(level * len(bodies) + i)
@@ -217,7 +250,13 @@ async def run_benchmark(
                 results, duration = await run_level(
                     send, bodies, c, cfg.request_rate, cfg.seed, bar
                 )
-            levels.append(summarize(c, results, duration, cfg.stream))
+            result = summarize(c, results, duration, cfg.stream)
+            if counters is not None:
+                await asyncio.sleep(METRICS_SETTLE_S)
+                result.prefix_hit_rate = hit_rate(
+                    counters, await prefix_cache_counters(client, root)
+                )
+            levels.append(result)
     return model, levels
 
 
@@ -242,6 +281,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         raise ValueError("--num-prompts and --max-tokens must be >= 1")
     if not args.request_rate > 0:
         raise ValueError("--request-rate must be > 0 (inf: closed loop)")
+    if args.shared_prefixes < 0 or args.prefix_len < 1:
+        raise ValueError("--shared-prefixes must be >= 0 and --prefix-len >= 1")
     return BenchConfig(
         base_url=args.base_url,
         model=args.model,
@@ -260,6 +301,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         api_key=args.api_key,
         warmup=args.warmup,
         unique_prompts=args.unique_prompts,
+        shared_prefixes=args.shared_prefixes,
+        prefix_len=args.prefix_len,
         structured=args.structured,
     )
 
@@ -267,13 +310,19 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 def run_serve_bench(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     prompts = select_prompts(cfg)
+    prefixes = select_prefixes(cfg)
     # uvloop, as the server: the client shares the machine with the server it measures
     # (c=32 on 2 cores: ~0.15 s less client CPU a level than asyncio's default loop).
-    model, levels = uvloop.run(run_benchmark(cfg, prompts))
+    model, levels = uvloop.run(run_benchmark(cfg, prompts, prefixes=prefixes))
     loop = "closed loop" if math.isinf(cfg.request_rate) else f"Poisson {cfg.request_rate}/s"
+    shared = (
+        f", {cfg.shared_prefixes} shared system prompts of {cfg.prefix_len} tokens"
+        if prefixes
+        else ""
+    )
     print(
         f"{cfg.base_url} model {model}: {cfg.num_prompts} prompts x {cfg.max_tokens} output "
-        f"tokens per level, {loop}, {'streaming' if cfg.stream else 'not streaming'}"
+        f"tokens per level, {loop}, {'streaming' if cfg.stream else 'not streaming'}{shared}"
     )
     print(format_table(levels))
     for lv in levels:

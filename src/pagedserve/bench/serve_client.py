@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 from dataclasses import dataclass, field
 
@@ -99,6 +100,37 @@ async def send_plain(client: aiohttp.ClientSession, url: str, body: dict) -> Req
     res.prompt_tokens = usage.get("prompt_tokens")
     res.ok = True
     return res
+
+
+_SAMPLE = re.compile(r"([a-zA-Z_:][\w:]*)(?:\{.*\})? (\S+)")
+_PREFIX_COUNTERS = ("pagedserve_prefix_cache_hits_total", "pagedserve_prefix_cache_queries_total")
+
+
+async def prefix_cache_counters(
+    client: aiohttp.ClientSession, root: str
+) -> tuple[float, float] | None:
+    """The server's prefix-cache hit and query counters (tokens), summed over every series
+    (every replica of a data-parallel server); None where /metrics has no such series."""
+    try:
+        async with client.get(f"{root}/metrics") as resp:
+            text = (await resp.read()).decode() if resp.status == 200 else ""
+    except _REQUEST_ERRORS:
+        return None
+    sums = dict.fromkeys(_PREFIX_COUNTERS, 0.0)
+    found = False
+    for line in text.splitlines():
+        m = _SAMPLE.fullmatch(line)
+        if m and m.group(1) in sums:
+            sums[m.group(1)] += float(m.group(2))
+            found = True
+    return (sums[_PREFIX_COUNTERS[0]], sums[_PREFIX_COUNTERS[1]]) if found else None
+
+
+def hit_rate(before: tuple[float, float] | None, after: tuple[float, float] | None) -> float | None:
+    """Prompt tokens found in the prefix cache over those looked up, between two readings."""
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    return (after[0] - before[0]) / (after[1] - before[1])
 
 
 async def fetch_model(client: aiohttp.ClientSession, root: str) -> str:

@@ -43,6 +43,7 @@ class LevelResult:
     itl_ms: Percentiles | None
     latency_ms: Percentiles | None  # end to end, per request
     error_samples: list[str] = field(default_factory=list)
+    prefix_hit_rate: float | None = None  # from the server's /metrics, where it has them
 
 
 def summarize(
@@ -79,18 +80,22 @@ def _pct(p: Percentiles | dict | None) -> str:
 
 def format_table(levels: list[LevelResult] | list[dict]) -> str:
     """A Markdown table of the levels (results or their JSON form)."""
+    dicts = [dataclasses.asdict(lv) if isinstance(lv, LevelResult) else lv for lv in levels]
+    hits = any(d.get("prefix_hit_rate") is not None for d in dicts)
     rows = [
         "| concurrency | completed | errors | duration (s) | output tok/s | req/s "
-        "| TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| TTFT p50/p90/p99 (ms) | TPOT p50/p90/p99 (ms) | ITL p50/p90/p99 (ms) |"
+        + (" prefix hit rate |" if hits else ""),
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if hits else ""),
     ]
-    for lv in levels:
-        d = dataclasses.asdict(lv) if isinstance(lv, LevelResult) else lv
+    for d in dicts:
+        rate = d.get("prefix_hit_rate")
         rows.append(
             f"| {d['concurrency']} | {d['completed']}/{d['num_prompts']} | {d['errors']} "
             f"| {d['duration_s']:.1f} | {d['output_throughput']:.1f} "
             f"| {d['request_throughput']:.2f} | {_pct(d['ttft_ms'])} | {_pct(d['tpot_ms'])} "
             f"| {_pct(d['itl_ms'])} |"
+            + ((f" {100 * rate:.1f}% |" if rate is not None else " - |") if hits else "")
         )
     return "\n".join(rows)
 
