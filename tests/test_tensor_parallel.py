@@ -25,6 +25,7 @@ from pagedserve import LLM, SamplingParams
 from pagedserve.distributed.executor import EngineDeadError
 from pagedserve.distributed.sharding import Range, ShardPlan
 from pagedserve.models.gguf_file import read_config
+from pagedserve.structured.spec import StructuredSpec
 from test_server import ServerProcess, _free_port
 from test_tiny_models import build_model
 
@@ -117,6 +118,21 @@ def test_gguf_shards_read_alone_equal_slices_of_the_whole(default_gguf):
 def test_default_model_tp2_equals_tp1():
     expected = generate(None, PROMPTS, GREEDY, tp=1, kv_cache_memory="64MiB")
     assert generate(None, PROMPTS, GREEDY, tp=2, kv_cache_memory="64MiB") == expected
+
+
+def test_structured_output_tp2_equals_tp1():
+    # Grammar masks are filled and applied on rank 0 only; the ranks see plain steps.
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}},
+        "required": ["answer", "score"],
+    }
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured=StructuredSpec.json_schema(schema)
+    )
+    prompts = [f"{p} Reply in JSON." for p in PROMPTS[:4]]
+    expected = generate(None, prompts, params, tp=1, kv_cache_memory="64MiB")
+    assert generate(None, prompts, params, tp=2, kv_cache_memory="64MiB") == expected
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve import cpu_kernels, detokenizer
+from pagedserve import detokenizer
 from pagedserve.block_manager import BlockManager
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
@@ -128,10 +128,6 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            # Built (or found built) now, so that a server is ready only once its kernels are:
-            # a stale build otherwise ran inside the first request, minutes on two cores.
-            cpu_kernels.ops()
         self.source = ModelSource.resolve(config.model)
         self.model_config = cfg = load_config(self.source)
         if config.tensor_parallel_size > 1:

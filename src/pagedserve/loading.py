@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pagedserve import cpu_kernels
 from pagedserve.attention import get_backend
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.sharding import ShardPlan
@@ -44,6 +45,11 @@ def load_runner(spec: LoadSpec, device: torch.device, tp: TPGroup | None = None)
     most that fits on every rank."""
     config, cfg, dtype = spec.config, spec.model_config, spec.dtype
     local = cfg if tp is None else ShardPlan.for_rank(cfg, tp.size, tp.rank).local_config(cfg)
+    if device.type == "cpu":
+        # Built (or found built) before the model loads, so that a server, or a tensor-parallel
+        # rank, is ready only once its kernels are: a stale build otherwise ran inside the first
+        # step (minutes on two cores, past a collective's timeout on a rank).
+        cpu_kernels.ops()
     backend = get_backend(config.attention_backend, device)
     model = load_model(
         spec.source, cfg, backend, dtype, device, spec.max_positions, spec.keep_quant, tp=tp
