@@ -282,7 +282,7 @@ class LLMEngine:
             max(0, min(s.seq.num_prompt_tokens - s.seq.num_computed_tokens, s.num_new_tokens))
             for s in batch
         )
-        logits = self.runner.execute(batch, sample_rows)
+        logits = self.runner.execute(out, sample_rows)
         self.scheduler.after_step(out)
         seqs = [batch[i].seq for i in sample_rows]
         result = sample(logits, seqs, self.eos_token_ids)
