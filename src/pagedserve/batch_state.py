@@ -54,11 +54,8 @@ class StepDelta:
         return [len(getattr(self, f.name)) for f in fields(self)]
 
     def pack(self) -> torch.Tensor:
+        """One tensor of every part in order (`StepDelta(*packed.split(sizes))` rebuilds it)."""
         return torch.cat([getattr(self, f.name) for f in fields(self)])
-
-    @classmethod
-    def unpack(cls, flat: torch.Tensor, sizes: list[int]) -> StepDelta:
-        return cls(*flat.split(sizes))
 
 
 class RowPlanner:
