@@ -4,7 +4,7 @@ of two choices), in one run, on the shared-prefix workload of `pagedserve bench 
 For each KV pool size and each router: `pagedserve serve --data-parallel-size 2` on the default
 model (a local Ray instance, one core per replica), started fresh, loaded with the same prompts,
 then stopped. Replaces the data-parallel section of benchmarks/RESULTS.md, or appends it
-(run_bench.py keeps that section, and what follows it, when it regenerates the rest).
+(it sits in the "Measured separately" section, which run_bench.py keeps as it is).
 
     python benchmarks/run_dp_bench.py        # about 5 minutes on 2 cores
 """
@@ -27,7 +27,7 @@ from pathlib import Path
 from pagedserve.cpu_kernels import isa
 
 HERE = Path(__file__).resolve().parent
-DP_HEADING = "## Data parallelism on Ray Serve: prefix-aware routing against power of two choices"
+DP_HEADING = "### Data parallelism on Ray Serve: prefix-aware routing against power of two choices"
 ROUTERS = ["prefix", "pow2"]
 # The default pool (23,296 tokens of the default model) holds every system prompt in each
 # replica; the small one (4,369 tokens) five of the eight, so that a router spreading every
@@ -155,7 +155,7 @@ def main() -> int:
     section = render(runs, commands)
     results = HERE / "RESULTS.md"
     before, _, after = results.read_text().partition(DP_HEADING)
-    following = after.find("\n## ")  # the sections after this one stay as they are
+    following = after.find("\n#")  # the sections after this one stay as they are
     rest = after[following:] if following >= 0 else ""
     results.write_text(before.rstrip() + "\n\n" + section + rest)
     print(section)

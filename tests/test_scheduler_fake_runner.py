@@ -93,7 +93,7 @@ def run(prompts, max_tokens, num_pages, page_size=4, budget=16, max_seqs=8, pref
         out = sched.schedule()
         assert out.num_tokens <= budget
         sample_rows = [i for i, s in enumerate(out.scheduled) if s.samples]
-        logits = runner.execute(out.scheduled, sample_rows)
+        logits = runner.execute(out, sample_rows)
         sched.after_step(out)
         sampled = [out.scheduled[i].seq for i in sample_rows]
         for seq, token in zip(sampled, sample(logits, sampled, []).token_ids, strict=True):

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer, Qwen2Config
 
 from conftest import PROMPTS, assert_pool_whole
 from pagedserve import LLM, SamplingParams
-from pagedserve.distributed.executor import EngineDeadError
+from pagedserve.distributed.executor import CHECK_STATE_ENV, EngineDeadError
 from pagedserve.distributed.sharding import Range, ShardPlan
 from pagedserve.models.gguf_file import read_config
 from pagedserve.structured.spec import StructuredSpec
@@ -33,6 +33,16 @@ MAX_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 # One torch thread per rank: the ranks share this machine's two cores.
 ENGINE = dict(dtype="float32", num_threads=1)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _check_batch_state():
+    """Every step also checks that each rank's batch state, built from the deltas alone, is
+    rank 0's (a rank that differs fails, and with it the test)."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv(CHECK_STATE_ENV, "1")
+    yield
+    patch.undo()
 
 
 @pytest.fixture(scope="module", autouse=True)

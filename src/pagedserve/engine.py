@@ -294,7 +294,7 @@ class LLMEngine:
         )
         seqs = [batch[i].seq for i in sample_rows]
         masks = self.masks.start(seqs)  # filled while the forward pass runs
-        logits = self.runner.execute(batch, sample_rows)
+        logits = self.runner.execute(out, sample_rows)
         self.scheduler.after_step(out)
         result = sample(logits, seqs, self.eos_token_ids, masks.result() if masks else None)
 

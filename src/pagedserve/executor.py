@@ -9,7 +9,7 @@ import torch
 
 from pagedserve.attention import AttentionBackend
 from pagedserve.loading import LoadSpec, load_runner
-from pagedserve.scheduler import ScheduledSeq
+from pagedserve.scheduler import SchedulerOutput
 
 
 class Executor(Protocol):
@@ -17,9 +17,9 @@ class Executor(Protocol):
     kv_bytes_per_page: int  # on one process (a rank's shard under TP)
     backend: AttentionBackend  # the attention backend of this process's model
 
-    def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; logits of the last new token of each `sample_rows` row. `batch` is
-        in the scheduler's order."""
+    def execute(self, out: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        """Run one step; logits of the last new token of each `sample_rows` row (indices into
+        `out.scheduled`, the scheduler's order). `out.released` frees batch rows first."""
         ...
 
     @property

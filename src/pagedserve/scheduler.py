@@ -32,6 +32,9 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Ids of sequences that left the running set (finished, aborted, preempted) since the last
+    # step that ran: the runner frees their batch rows before this step's joins.
+    released: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -50,6 +53,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._released: list[int] = []  # until a step runs: empty outputs are never executed
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -97,9 +101,12 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+        if out.scheduled:
+            out.released, self._released = self._released, []
         return out
 
     def _preempt(self, seq: Sequence) -> None:
+        self._released.append(seq.seq_id)
         self.block_manager.free(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = seq.num_cached_tokens = 0
@@ -119,6 +126,7 @@ class Scheduler:
         seq.finished_time = time.monotonic()
         if seq in self.running:
             self.running.remove(seq)
+            self._released.append(seq.seq_id)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.block_manager.free(seq)

@@ -1,7 +1,8 @@
 """The engine's side of tensor parallelism: rank 0 in the engine's process, workers beside it.
 
 `TensorParallelExecutor` is an `Executor` (executor.py), as a `ModelRunner` is: it broadcasts
-each step's inputs once, runs rank 0's shard, and returns the logits gathered to rank 0.
+each step's changes to the batch state once, runs rank 0's shard, and returns the logits
+gathered to rank 0.
 Ranks 1..N-1 are spawned on this host, or started by torchrun (multi-node).
 
 Faults: a monitor thread notices a spawned worker's exit within a second, and heartbeats (a
@@ -44,13 +45,15 @@ from pagedserve.distributed.worker import (
     worker_main,
 )
 from pagedserve.loading import LoadSpec
-from pagedserve.model_runner import prepare_step
-from pagedserve.scheduler import ScheduledSeq
+from pagedserve.scheduler import SchedulerOutput
 
-__all__ = ["EngineDeadError", "TensorParallelExecutor"]
+__all__ = ["CHECK_STATE_ENV", "EngineDeadError", "TensorParallelExecutor"]
 
 logger = logging.getLogger(__name__)
 
+# "1": every step also sends rank 0's whole batch state, and every rank checks that its own,
+# built from the deltas alone, is identical (a debug mode; the tests run with it).
+CHECK_STATE_ENV = "PAGEDSERVE_CHECK_BATCH_STATE"
 MONITOR_INTERVAL_S = 0.5
 HEARTBEAT_INTERVAL_S = 1.0
 T = TypeVar("T")
@@ -73,6 +76,7 @@ class TensorParallelExecutor:
         self._closed = False
         self._last_used = time.monotonic()
         self.rank: Rank | None = None
+        self._check_state = os.environ.get(CHECK_STATE_ENV) == "1"
         timeout = config.tensor_parallel_timeout
         device = rank_device(spec.device_type, 0, size)
         env = torchrun_env()
@@ -157,18 +161,21 @@ class TensorParallelExecutor:
         return result[0]
 
     # ---- steps ---------------------------------------------------------------------------
-    def execute(self, batch: list[ScheduledSeq], sample_rows: list[int]) -> torch.Tensor:
-        """Run one step on every rank; logits of the sampled rows (from rank 0)."""
+    def execute(self, out: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        """Run one step on every rank (each applies its delta to its own batch state); logits
+        of the sampled rows (from rank 0)."""
         if self.error is not None:
             raise EngineDeadError(self.error)
         assert self.rank is not None
-        step = prepare_step(batch, sample_rows)
-        header, payload = pack_step(step)
+        runner = self.rank.runner
+        delta = runner.planner.plan(out, sample_rows)
+        step = runner.tables.apply(delta)
+        header, payload = pack_step(delta, runner.tables if self._check_state else None)
         with self._lock:
             try:
                 self.rank.group.broadcast(header)
                 self.rank.group.broadcast(payload)
-                logits = self.rank.runner.run(step)
+                logits = runner.run(step)
             except Exception as e:
                 # The ranks no longer agree on where they are: the group is unusable.
                 self._fail(self._why(e))

@@ -2,8 +2,11 @@
 loop that runs every step rank 0 broadcasts.
 
 Per step, rank 0 sends two host tensors on the gloo group: a fixed-size header (kind and sizes)
-and the step's flat inputs (`StepInput`, packed into one int64 tensor). Nothing else crosses
-between ranks but the model's own collectives; the logits are gathered to rank 0.
+and the step's `StepDelta` (batch_state.py) packed into one int64 tensor: rows freed, pages
+appended, the step's rows, starts, token ids. Each rank applies it to its own `BatchTables`, so
+block tables never travel whole (but in the check mode, which sends rank 0's for comparison).
+Nothing else crosses between ranks but the model's own collectives; the logits are gathered to
+rank 0.
 """
 
 from __future__ import annotations
@@ -15,11 +18,12 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
 
+from pagedserve.batch_state import BatchTables, StepDelta, StepInput
 from pagedserve.config import EngineConfig
 from pagedserve.distributed.group import (
     TPGroup,
@@ -30,13 +34,14 @@ from pagedserve.distributed.group import (
 )
 from pagedserve.distributed.sharding import ShardPlan
 from pagedserve.loading import LoadSpec, load_runner
-from pagedserve.model_runner import ModelRunner, StepInput
+from pagedserve.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # header[0] of every message from rank 0.
 STEP, HEARTBEAT, STOP = 1, 2, 3
-HEADER_LEN = 5  # kind, tokens, rows, block-table width, sampled tokens
+# kind, the sizes of a StepDelta's parts, the shape of rank 0's tables when they are checked
+HEADER_LEN = 1 + len(fields(StepDelta)) + 2
 
 
 @dataclass
@@ -58,22 +63,18 @@ class WorkerArgs:
 
 
 # ---- the step message ----------------------------------------------------------------------
-def pack_step(step: StepInput) -> tuple[torch.Tensor, torch.Tensor]:
-    header = torch.tensor(
-        [STEP, len(step.input_ids), *step.block_tables.shape, len(step.sample_tokens)],
-        dtype=torch.long,
-    )
-    payload = torch.cat(
-        [
-            step.input_ids,
-            step.positions,
-            step.q_lens,
-            step.context_lens,
-            step.block_tables.flatten(),
-            step.sample_tokens,
-        ]
-    )
-    return header, payload
+def pack_step(
+    delta: StepDelta, check: BatchTables | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The header and payload of a step. With `check` (rank 0's tables after the step, a debug
+    mode), the whole state rides along for the other ranks to compare theirs with."""
+    parts = [delta.pack()]
+    shape = [0, 0]
+    if check is not None:
+        parts += [check.tables.flatten(), check.num_pages]
+        shape = list(check.tables.shape)
+    header = torch.tensor([STEP, *delta.sizes(), *shape], dtype=torch.long)
+    return header, torch.cat(parts)
 
 
 def message(kind: int) -> torch.Tensor:
@@ -81,14 +82,22 @@ def message(kind: int) -> torch.Tensor:
 
 
 def _payload_sizes(header: torch.Tensor) -> list[int]:
-    _, tokens, rows, width, sampled = header.tolist()
-    return [tokens, tokens, rows, rows, rows * width, sampled]
+    """The delta's parts, then the checked tables and their page counts (empty unchecked)."""
+    *sizes, rows, cols = header[1:].tolist()
+    return [*sizes, rows * cols, rows if cols else 0]
 
 
-def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInput:
-    ids, positions, q_lens, context, tables, sample = payload.split(_payload_sizes(header))
-    rows, width = int(header[2]), int(header[3])
-    return StepInput(ids, positions, q_lens, context, tables.view(rows, width), sample)
+def apply_step(tables: BatchTables, header: torch.Tensor, payload: torch.Tensor) -> StepInput:
+    """Apply a received step to this rank's tables; raises if a checked state differs."""
+    *parts, checked, checked_pages = payload.split(_payload_sizes(header))
+    step = tables.apply(StepDelta(*parts))
+    if len(checked_pages):
+        same = torch.equal(tables.num_pages, checked_pages) and torch.equal(
+            tables.tables, checked.view(len(checked_pages), -1)
+        )
+        if not same:
+            raise RuntimeError("this rank's batch state differs from rank 0's after a step")
+    return step
 
 
 # ---- a rank --------------------------------------------------------------------------------
@@ -162,7 +171,7 @@ def serve_steps(rank: Rank) -> None:
             continue
         payload = torch.empty(sum(_payload_sizes(header)), dtype=torch.long)
         group.broadcast(payload)
-        rank.runner.run(unpack_step(header, payload))
+        rank.runner.run(apply_step(rank.runner.tables, header, payload))
 
 
 def run_worker(
