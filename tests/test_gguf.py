@@ -65,6 +65,38 @@ def test_unsupported_quantization_is_named(tmp_path):
         list(gguf_file.iter_weights(str(path), gguf_file.read_config(str(path))))
 
 
+def test_types_without_a_packed_kernel_are_dequantized_in_one_log_line(tmp_path, caplog):
+    """Kept quantized where a kernel takes them (Q4_1, Q4_K); Q5_0 and Q5_1 dequantized, said
+    once for the whole file with the kernel level; float types are no dequantization."""
+    from pagedserve.cpu_kernels.isa import kernel_level
+
+    rng = np.random.default_rng(0)
+    array = rng.standard_normal((64, 256)).astype(np.float32)
+    q4_k = rng.integers(0, 256, (64, 144), dtype=np.uint8)  # one Q4_K block per row
+    q4_k[:, :4] = np.full((64, 2), 1e-3, dtype=np.float16).view(np.uint8)  # d, dmin
+    tensors = {
+        "token_embd.weight": (array, GGMLQuantizationType.Q5_0),
+        "output.weight": (array, GGMLQuantizationType.Q5_1),
+        "blk.0.attn_q.weight": (array, GGMLQuantizationType.Q4_1),
+        "blk.0.attn_k.weight": (q4_k, GGMLQuantizationType.Q4_K),
+        "blk.0.attn_v.weight": (array, GGMLQuantizationType.Q5_0),
+        "blk.0.attn_norm.weight": (array[0], GGMLQuantizationType.F32),
+    }
+    path = tmp_path / "m.gguf"
+    write_gguf(path, "llama", tensors)
+    cfg = gguf_file.read_config(str(path))
+    with caplog.at_level("INFO", logger="pagedserve.models.gguf_file"):
+        weights = dict(gguf_file.iter_weights(str(path), cfg, keep_quant=True))
+    assert isinstance(weights["model.layers.0.self_attn.q_proj.weight"], gguf_file.QuantWeight)
+    assert isinstance(weights["model.layers.0.self_attn.k_proj.weight"], gguf_file.KQuantWeight)
+    assert isinstance(weights["model.embed_tokens.weight"], torch.Tensor)
+    lines = [r.getMessage() for r in caplog.records if "dequantized" in r.getMessage()]
+    assert lines == [
+        f"dequantized at load, no packed kernel at the {kernel_level()} level: "
+        "Q5_0 (2 tensors), Q5_1 (1 tensor)"
+    ]
+
+
 def test_unsupported_architecture_is_named(tmp_path):
     path = tmp_path / "m.gguf"
     write_gguf(path, "gpt2", {})

@@ -25,15 +25,7 @@ from pagedserve.cpu_kernels.isa import compile_flags, kernel_level, target_tag
 
 logger = logging.getLogger(__name__)
 
-SOURCES = [
-    Path(__file__).with_name(f)
-    for f in (
-        "cpu_ops.cpp",
-        "quant_linear.cpp",
-        "prefill_attention.cpp",
-        "prefill_attention_amx.cpp",
-    )
-]
+SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))  # each holds every level's code
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]

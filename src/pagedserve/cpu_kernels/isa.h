@@ -14,6 +14,11 @@
 #define PAGEDSERVE_AMX 1
 #endif
 
+// Whether this build computes bfloat16 products natively (avx512 on Zen 4, amx).
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512BF16__)
+#define PAGEDSERVE_AVX512_BF16 1
+#endif
+
 #if defined(PAGEDSERVE_AVX2)
 #include <immintrin.h>
 #endif

@@ -15,10 +15,10 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "claims.h"
 #include "convert.h"
+#include "softmax.h"
 #include "vec.h"
 
 namespace {
@@ -57,17 +57,9 @@ inline void block_scores(const float* qf, int64_t d, const float* keys, int64_t 
 
 // In place over s[0, padded): exp(s - max) for keys [0, seen), 0 after; returns 1 / sum.
 inline float softmax_row(float* s, int64_t seen, int64_t padded) {
-  float mx = std::numeric_limits<float>::lowest();
-#pragma omp simd reduction(max : mx)
-  for (int64_t t = 0; t < seen; ++t) mx = s[t] > mx ? s[t] : mx;
-  float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t t = 0; t < seen; ++t) {
-    s[t] = std::exp(s[t] - mx);
-    sum += s[t];
-  }
+  const float inv = 1.f / exp_sum_(s, seen);
   std::fill(s + seen, s + padded, 0.f);
-  return 1.f / sum;
+  return inv;
 }
 
 template <typename T>

@@ -1,10 +1,10 @@
-// Products with GGUF block-quantized weights (quant_linear.cpp).
+// Products with GGUF's quantized weights, packed as quant_layout.h describes (quant_linear.cpp).
 #pragma once
 
 #include <torch/extension.h>
 
-// y [M, N] = x [M, K] @ W^T (+ bias), W packed as described in quant_linear.cpp; x, y and the
-// bias float32 or bf16 (x's dtype).
+// y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
+// and the bias float32 or bf16 (x's dtype).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t bits);
@@ -14,3 +14,12 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& scales,
                       const c10::optional<at::Tensor>& offsets, int64_t bits,
                       at::ScalarType dtype);
+
+// The same for W of a K type: Q4_K, Q5_K, Q6_K by `bits` 4, 5, 6 (float32 super-block scales
+// `supers`, uint8 group scales `subs`).
+at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& supers,
+                         const at::Tensor& subs, const c10::optional<at::Tensor>& bias,
+                         int64_t bits);
+
+at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
+                       const at::Tensor& subs, int64_t bits, at::ScalarType dtype);

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -10,10 +12,12 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.gguf_reader import ReaderTensor
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from pagedserve.distributed.sharding import Shard
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_TYPES = {
     GGMLQuantizationType.F32,
@@ -57,6 +61,15 @@ QUANT_TYPES = {
     GGMLQuantizationType.Q8_0: 8,
 }
 QUANT_GROUP = 32
+# K types (super-blocks of 256 values, 8 groups of 32 with 6-bit or int8 scales): code width.
+K_QUANT_TYPES = {
+    GGMLQuantizationType.Q4_K: 4,
+    GGMLQuantizationType.Q5_K: 5,
+    GGMLQuantizationType.Q6_K: 6,
+}
+K_SUPER = 256
+# Float types: their dense form is their own, not a dequantization.
+FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16}
 
 
 @dataclass
@@ -80,6 +93,73 @@ class QuantWeight:
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.offset, self.dense) if t is not None)
+
+
+@dataclass
+class KQuantWeight:
+    """A K-quant GGUF matrix kept as codes, as in its blocks (cpu_kernels/quant_layout.h):
+    Q4_K/Q5_K: weight[n, k] = codes * d * subs[n, g, 0] - dmin * subs[n, g, 1], with
+    (d, dmin) = supers[n, k // 256]; Q6_K: weight = (codes - 32) * d * int8(subs[n, g, h]),
+    h the half of group g = k // 32 that k lies in. `dense` is the matrix dequantized."""
+
+    codes: torch.Tensor  # [N, K] uint8 in 0 .. 2^bits - 1
+    subs: torch.Tensor  # [N, K / 32, 2] uint8
+    supers: torch.Tensor  # [N, K / 256, 2 (Q4_K, Q5_K) or 1 (Q6_K)] float32 (float16 values)
+    dense: torch.Tensor  # [N, K] float32
+    bits: int
+
+    def permute_rows(self, n_heads: int) -> KQuantWeight:
+        def rows(t: torch.Tensor) -> torch.Tensor:
+            return torch.from_numpy(_unpermute(t.numpy(), n_heads))
+
+        return KQuantWeight(*(rows(t) for t in self.astuple()), self.bits)
+
+    def astuple(self) -> tuple[torch.Tensor, ...]:
+        return self.codes, self.subs, self.supers, self.dense
+
+
+def _kquant_codes(
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
+) -> KQuantWeight:
+    """Unpack Q4_K (d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles), Q5_K (the same
+    and 32 bytes of fifth bits) or Q6_K (128 bytes of nibbles, 64 of 2-bit highs, 16 int8
+    scales, d) super-blocks of 256, in gguf.quants' order."""
+    blocks = np.asarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
+    n = blocks.shape[0]
+
+    def f16(b: np.ndarray) -> np.ndarray:
+        return b.copy().view(np.float16).astype(np.float32)
+
+    def nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:  # low, then high nibbles of chunks
+        shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+        return ((qs.reshape(n, -1, 1, chunk) >> shifts) & 0x0F).reshape(n, K_SUPER)
+
+    if qtype == GGMLQuantizationType.Q6_K:
+        ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
+        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, K_SUPER)
+        codes = nibbles(ql, 64) | (high << 4)
+        subs = scales.reshape(n, 8, 2)  # int8 scales of 16 values: each group's two halves
+        supers = f16(d).reshape(n, 1)
+    else:
+        d, dmin, scales, qs = np.split(blocks, [2, 4, 16], axis=1)
+        codes = nibbles(qs[:, -128:], 32)
+        if qtype == GGMLQuantizationType.Q5_K:
+            shifts = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+            high = ((qs[:, :32].reshape(n, 1, 32) >> shifts) & 0x01).reshape(n, K_SUPER)
+            codes = codes | (high << 4)
+        sc, mn = Q4_K.get_scale_min(scales)
+        subs = np.stack([sc, mn], axis=-1).astype(np.uint8)
+        supers = np.stack([f16(d), f16(dmin)], axis=-1).reshape(n, 2)
+    rows, k = shape
+    dense = np.asarray(dequantize(data, qtype), dtype=np.float32).reshape(shape)
+    return KQuantWeight(
+        torch.from_numpy(np.ascontiguousarray(codes).reshape(shape)),
+        torch.from_numpy(np.ascontiguousarray(subs).reshape(rows, k // QUANT_GROUP, 2)),
+        torch.from_numpy(np.ascontiguousarray(supers).reshape(rows, k // K_SUPER, -1)),
+        torch.from_numpy(dense),
+        K_QUANT_TYPES[qtype],
+    )
 
 
 def _quant_codes(
@@ -206,10 +286,12 @@ def iter_weights(
     keep_quant: bool = False,
     shard_of: Callable[[str], Shard | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
-    """HF-named weights; with keep_quant, Q4_0/Q4_1/Q8_0 matrices come as QuantWeight (codes
-    + dense).
+    """HF-named weights; with keep_quant, Q4_0/Q4_1/Q8_0 matrices come as QuantWeight and
+    Q4_K/Q5_K/Q6_K ones as KQuantWeight (codes + dense), for the CPU kernels; other quantized
+    types are dequantized, said in one log line.
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
     reader = _reader(path)
+    dequantized: collections.Counter[str] = collections.Counter()
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     for t in reader.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
@@ -226,12 +308,27 @@ def iter_weights(
         heads = None
         if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = rows // cfg.head_dim
-        if keep_quant and cut is None and qtype in QUANT_TYPES and len(shape) == 2:
-            weight = _quant_codes(data, qtype, shape)
-            yield name, weight if heads is None else weight.permute_rows(heads)
-            continue
+        if keep_quant and cut is None and len(shape) == 2:
+            unpack = _quant_codes if qtype in QUANT_TYPES else None
+            if qtype in K_QUANT_TYPES:
+                unpack = _kquant_codes
+            if unpack is not None:
+                weight = unpack(data, qtype, shape)
+                yield name, weight if heads is None else weight.permute_rows(heads)
+                continue
+        if keep_quant and qtype not in FLOAT_TYPES | QUANT_TYPES.keys() | K_QUANT_TYPES.keys():
+            dequantized[qtype.name] += 1
         array = np.array(dequantize(data, qtype), dtype=np.float32).reshape(shape)
         if cut is not None:
             array = array[cut.start : cut.stop] if cut.dim == 0 else array[:, cut.start : cut.stop]
         yield name, torch.from_numpy(array if heads is None else _unpermute(array, heads))
     _reader.cache_clear()  # every weight is copied out: let the file's mapping go
+    if dequantized:
+        from pagedserve.cpu_kernels.isa import kernel_level
+
+        types = ", ".join(
+            f"{t} ({n} tensor{'s' if n > 1 else ''})" for t, n in sorted(dequantized.items())
+        )
+        logger.info(
+            "dequantized at load, no packed kernel at the %s level: %s", kernel_level(), types
+        )

@@ -9,13 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.models.quant_weight import PackedWeight
+from pagedserve.models.quant_weight import KPackedWeight, PackedWeight
 
 
 class Linear(nn.Linear):
     """nn.Linear whose weight may be packed codes or in oneDNN's blocked layout."""
 
-    packed: PackedWeight | None = None
+    packed: PackedWeight | KPackedWeight | None = None
     blocked: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (CPU)
 
     def reset_parameters(self) -> None:
@@ -28,7 +28,7 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
         return super().forward(x)
 
-    def use_packed(self, packed: PackedWeight) -> None:
+    def use_packed(self, packed: PackedWeight | KPackedWeight) -> None:
         """Multiply by `packed` from now on; the dense weight is freed."""
         self.packed = packed
         self.weight.data = self.weight.data.new_empty(0)
@@ -46,7 +46,7 @@ class Linear(nn.Linear):
 class Embedding(nn.Embedding):
     """nn.Embedding whose table may be packed codes (shared with a tied output matrix)."""
 
-    packed: PackedWeight | None = None
+    packed: PackedWeight | KPackedWeight | None = None
 
     def reset_parameters(self) -> None:
         pass
@@ -59,6 +59,6 @@ class Embedding(nn.Embedding):
             return self.packed.rows(ids, self.weight.dtype)
         return F.embedding(ids, self.weight)
 
-    def use_packed(self, packed: PackedWeight) -> None:
+    def use_packed(self, packed: PackedWeight | KPackedWeight) -> None:
         self.packed = packed
         self.weight.data = self.weight.data.new_empty(0)

@@ -20,10 +20,10 @@ from pagedserve.distributed import layers as tp_layers
 from pagedserve.distributed.group import TPGroup
 from pagedserve.models import layer_ops
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
-from pagedserve.models.gguf_file import QuantWeight
+from pagedserve.models.gguf_file import KQuantWeight, QuantWeight
 from pagedserve.models.layer_ops import RopeStep
 from pagedserve.models.linear import Embedding, Linear
-from pagedserve.models.quant_weight import PackedWeight, packable
+from pagedserve.models.quant_weight import pack, packable
 
 
 class RMSNorm(nn.Module):
@@ -225,15 +225,18 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight]]) -> None:
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor | QuantWeight | KQuantWeight]]
+    ) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into one matrix each.
-        Block-quantized weights (QuantWeight) are packed for the CPU kernels, and their
+        Quantized weights (QuantWeight, KQuantWeight) are packed for the CPU kernels, and their
         layers drop the dense copy; a tied output matrix shares the embedding's."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        quant_parts: dict[str, dict[int, QuantWeight]] = {}
+        quant_parts: dict[str, dict[int, QuantWeight | KQuantWeight]] = {}
         for hf_name, weight in weights:
-            tensor = weight.dense if isinstance(weight, QuantWeight) else weight
+            quantized = isinstance(weight, QuantWeight | KQuantWeight)
+            tensor = weight.dense if quantized else weight
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
@@ -241,7 +244,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             parts = name.split(".")
             fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
-            if isinstance(weight, QuantWeight):
+            if quantized:
                 module = ".".join(parts[:-2] + [fused[0]] if fused else parts[:-1])
                 quant_parts.setdefault(module, {})[fused[1] if fused else 0] = weight
             if fused is not None:
@@ -266,7 +269,7 @@ class LlamaForCausalLM(nn.Module):
         for name, shards in quant_parts.items():
             self._use_packed(name, shards)
 
-    def _use_packed(self, name: str, shards: dict[int, QuantWeight]) -> None:
+    def _use_packed(self, name: str, shards: dict[int, QuantWeight | KQuantWeight]) -> None:
         layer = self.get_submodule(name)
         n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rsplit(".", 1)[-1], 1)
         parts = [shards[i] for i in sorted(shards)]
@@ -274,7 +277,7 @@ class LlamaForCausalLM(nn.Module):
             return  # a fused weight whose parts are not all quantized stays dense
         if not packable(parts):
             return  # mixed types, or a shape the kernels do not take
-        packed = PackedWeight.pack(parts)
+        packed = pack(parts)
         layer.use_packed(packed)
         if isinstance(layer, Embedding) and self.cfg.tie_word_embeddings:
             self.lm_head.use_packed(packed)

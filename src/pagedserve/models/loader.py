@@ -151,7 +151,7 @@ def iter_weights(
     cfg: ModelConfig,
     keep_quant: bool = False,
     shard_of: ShardOf | None = None,
-) -> Iterator[tuple[str, torch.Tensor | gguf_file.QuantWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | gguf_file.QuantWeight | gguf_file.KQuantWeight]]:
     if source.kind == "gguf":
         return gguf_file.iter_weights(source.path, cfg, keep_quant, shard_of)
     return _safetensors_weights(source.path, shard_of)

@@ -1,6 +1,7 @@
-"""GGUF's block-quantized matrices kept packed on CPU, multiplied by the kernels of
-cpu_kernels/quant_linear.cpp: a decode step reads 4-5 bits per weight (Q4_0/Q4_1) or 8.5
-(Q8_0) instead of bfloat16's 16, and the model holds no dense copy."""
+"""GGUF's quantized matrices kept packed on CPU, multiplied by the kernels of
+cpu_kernels/quant_linear.cpp (layouts: cpu_kernels/quant_layout.h): a decode step reads 4-5
+bits per weight (Q4_0/Q4_1, Q4_K), 5.75-8.5 (Q5_K, Q6_K, Q8_0) instead of bfloat16's 16, and
+the model holds no dense copy."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.models.gguf_file import QUANT_GROUP, QuantWeight
+from pagedserve.models.gguf_file import QUANT_GROUP, KQuantWeight, QuantWeight
 
 TILE_COLS = 16  # output columns per packed tile
 STRIP_COLS = 32  # output columns a kernel thread takes at a time
@@ -20,16 +21,57 @@ def packed_kernels_available(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def packable(parts: list[QuantWeight]) -> bool:
+def _kind(w: QuantWeight | KQuantWeight) -> tuple:
+    if isinstance(w, KQuantWeight):
+        return KQuantWeight, w.bits
+    return QuantWeight, w.bits, w.offset is None
+
+
+def packable(parts: list[QuantWeight] | list[KQuantWeight]) -> bool:
     """Whether the row blocks `parts` (a fused weight's pieces) pack into one matrix: one
     quantization type, and a shape the kernels take."""
     first = parts[0]
     n, k = sum(p.codes.shape[0] for p in parts), first.codes.shape[1]
     return (
-        all(p.bits == first.bits and (p.offset is None) == (first.offset is None) for p in parts)
+        all(_kind(p) == _kind(first) for p in parts)
         and n % STRIP_COLS == 0
         and k % QUANT_GROUP == 0
     )
+
+
+def pack(parts: list[QuantWeight] | list[KQuantWeight]) -> PackedWeight | KPackedWeight:
+    """The row blocks `parts` packed for the kernels of their type (packable ones)."""
+    return (KPackedWeight if isinstance(parts[0], KQuantWeight) else PackedWeight).pack(parts)
+
+
+def _tile_lanes(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] in tiles: [tile, group, row, lane], lane 2c + p of row r holding column c,
+    input 2r + p of the group."""
+    n, k = codes.shape
+    tiles, groups = n // TILE_COLS, k // QUANT_GROUP
+    # [tile, column, group, row, pair] -> [tile, group, row, column * 2 + pair]
+    return (
+        codes.view(tiles, TILE_COLS, groups, 16, 2)
+        .permute(0, 2, 3, 1, 4)
+        .reshape(tiles, groups, 16, 32)
+    )
+
+
+def _nibble_quads(lanes: torch.Tensor) -> torch.Tensor:
+    """Values below 16 [tiles, groups, rows, 32 lanes] as nibble quads: 16-bit word j of quad
+    q holds lane j of rows 4q..4q+3, a nibble each -> uint8 [tiles, groups, rows / 4 * 64]."""
+    tiles, groups, rows, _ = lanes.shape
+    quads = lanes.to(torch.uint8).view(tiles, groups, rows // 4, 4, 32)
+    low = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)  # little-endian: low byte first
+    high = quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)
+    return torch.stack([low, high], dim=-1).reshape(tiles, groups, rows // 4 * 64)
+
+
+def _per_tile(values: torch.Tensor) -> torch.Tensor:
+    """Per-row values [N, G, ...] -> [N / 16, G, ..., 16]: a tile's 16 columns innermost."""
+    n, rest = values.shape[0], values.shape[1:]
+    v = values.reshape(n // TILE_COLS, TILE_COLS, *rest)
+    return v.movedim(1, -1).contiguous()
 
 
 @dataclass
@@ -47,26 +89,14 @@ class PackedWeight:
         if not packable(parts):
             raise ValueError("these weights do not pack into one matrix")
         bits = parts[0].bits
-        codes = torch.cat([p.codes for p in parts])
-        n, k = codes.shape
-        tiles, groups = n // TILE_COLS, k // QUANT_GROUP
-        # [tile, column, group, row, pair] -> [tile, group, row, column * 2 + pair]
-        lanes = (
-            codes.view(tiles, TILE_COLS, groups, 16, 2)
-            .permute(0, 2, 3, 1, 4)
-            .reshape(tiles, groups, 16, 32)
-        )
-        if bits == 4:  # 16-bit word j of row quad q: lane j of rows 4q..4q+3, a nibble each
-            quads = lanes.to(torch.uint8).view(tiles, groups, 4, 4, 32)
-            low = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)  # little-endian: low byte first
-            high = quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)
-            packed = torch.stack([low, high], dim=-1).reshape(tiles, groups, 256)
+        lanes = _tile_lanes(torch.cat([p.codes for p in parts]))
+        if bits == 4:
+            packed = _nibble_quads(lanes)
         else:
-            packed = lanes.to(torch.int8).view(torch.uint8).reshape(tiles, groups, 512)
+            packed = lanes.to(torch.int8).view(torch.uint8).flatten(2)
 
         def per_tile(values: list[torch.Tensor]) -> torch.Tensor:
-            v = torch.cat(values).view(tiles, TILE_COLS, groups)
-            return v.transpose(1, 2).to(torch.float16).contiguous()
+            return _per_tile(torch.cat(values).to(torch.float16))
 
         offsets = None if parts[0].offset is None else per_tile([p.offset for p in parts])
         return cls(packed.contiguous(), per_tile([p.scale for p in parts]), offsets, bits)
@@ -86,5 +116,55 @@ class PackedWeight:
 
         flat = ops().quant_rows(
             ids.reshape(-1), self.codes, self.scales, self.offsets, self.bits, dtype
+        )
+        return flat.view(*ids.shape, flat.shape[-1])
+
+
+@dataclass
+class KPackedWeight:
+    """A [N, K] K-quant matrix (Q4_K, Q5_K, Q6_K) in the kernels' tile layout
+    (cpu_kernels/quant_layout.h)."""
+
+    codes: torch.Tensor  # uint8 [N / 16, K / 32, 256 + 64 * (bits - 4)]
+    supers: torch.Tensor  # float32 [N / 16, K / 256, 2 or 1, 16]
+    subs: torch.Tensor  # uint8 [N / 16, K / 32, 2, 16]
+    bits: int
+
+    @classmethod
+    def pack(cls, parts: list[KQuantWeight]) -> KPackedWeight:
+        if not packable(parts):
+            raise ValueError("these weights do not pack into one matrix")
+        bits = parts[0].bits
+        lanes = _tile_lanes(torch.cat([p.codes for p in parts]))
+        planes = [_nibble_quads(lanes & 0x0F)]
+        if bits > 4:  # high bits of quad q: high quad q // per, at bit (bits - 4) * (q % per)
+            high_bits = bits - 4
+            per = 4 // high_bits
+            tiles, groups = lanes.shape[:2]
+            high = (lanes >> 4).to(torch.int32).view(tiles, groups, 4 // per, per, 4, 32)
+            shifts = (torch.arange(per, dtype=torch.int32) * high_bits).view(1, 1, 1, per, 1, 1)
+            nibbles = (high << shifts).sum(dim=3).view(tiles, groups, 16 // per, 32)
+            planes.append(_nibble_quads(nibbles))
+        codes = torch.cat(planes, dim=-1).contiguous()
+        supers = _per_tile(torch.cat([p.supers for p in parts]))
+        subs = _per_tile(torch.cat([p.subs for p in parts]))
+        return cls(codes, supers, subs, bits)
+
+    def kernel_args(self, bias: torch.Tensor | None) -> tuple:
+        """This matrix (and a bias) as the C++ kernels take it (kquant_linear's arguments;
+        decode_layer tells them from a block type's by the float32 scales)."""
+        return self.codes, self.supers, self.subs, bias, self.bits
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        from pagedserve.cpu_kernels import ops
+
+        return ops().kquant_linear(x, *self.kernel_args(bias))
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the matrix as `dtype` (an embedding lookup)."""
+        from pagedserve.cpu_kernels import ops
+
+        flat = ops().kquant_rows(
+            ids.reshape(-1), self.codes, self.supers, self.subs, self.bits, dtype
         )
         return flat.view(*ids.shape, flat.shape[-1])

@@ -1,0 +1,45 @@
+// The quant_linear kernels' entry points shared across their files: y = x W^T over a packed W
+// (quant_layout.h) by the regime of the step's size. quant_linear.cpp chooses among them.
+#pragma once
+
+#include <torch/extension.h>
+
+#include "isa.h"
+#include "quant_layout.h"
+
+// float32 x [m, K] (row stride k), products in float32, y rounded to T:
+// few rows (m <= kDotMaxRows): dot products over the codes (quant_linear_few_rows.cpp);
+template <typename T, typename F>
+void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
+                     int64_t n);
+// more: decoded tiles (quant_linear_tiles.cpp).
+template <typename T, typename F>
+void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
+                      int64_t n);
+
+#ifdef PAGEDSERVE_AVX512_BF16
+// bf16 x of at most kGemvMaxRows rows, block types: AVX-512 BF16 dot products
+// (quant_linear_gemv_bf16.cpp).
+void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scales,
+                      const at::Half* offsets, const float* bias, at::BFloat16* y, int64_t n,
+                      int bits);
+#endif
+
+#ifdef PAGEDSERVE_AMX
+// The activations as A tiles read them, 16 whole rows at a time: blocks of x, and the last
+// partial block (if any) from a zero-padded copy.
+struct RowBlocks {
+  const at::BFloat16* x;
+  const at::BFloat16* tail;  // 16 rows: x's rows from `full` on, then zeros
+  int64_t full;              // rows of x in whole blocks
+  int64_t k;
+  const char* at(int64_t m0) const {
+    return reinterpret_cast<const char*>(m0 < full ? x + m0 * k : tail);
+  }
+};
+
+// bf16 x, any number of rows: AMX tiles (quant_linear_amx.cpp).
+template <typename F>
+void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& w, const float* bias,
+                at::BFloat16* y, int64_t n);
+#endif
