@@ -3,7 +3,7 @@
 // the compiler vectorizes at every level.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>

@@ -244,17 +244,17 @@ AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
 // q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache,
+                                     const at::Tensor& block_tables,
+                                     const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode attention: dense q heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
   TORCH_CHECK(d <= 256, "decode attention: head size above 256");
   const int64_t width = block_tables.size(1);
-  auto out = torch::empty({b, hq, d}, q.options());
+  auto out = at::empty({b, hq, d}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   dispatch(q.scalar_type(), "decode_attn", [&](auto tag) {

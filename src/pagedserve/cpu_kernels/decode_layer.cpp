@@ -6,7 +6,7 @@
 
 namespace {
 
-torch::Tensor packed_linear(const torch::Tensor& x, const PackedLinear& w) {
+at::Tensor packed_linear(const at::Tensor& x, const PackedLinear& w) {
   const auto& [codes, scales, offsets, bias, bits] = w;
   if (scales.scalar_type() == at::kFloat) {
     return kquant_linear(x, codes, scales, offsets.value(), bias, bits);
@@ -18,15 +18,15 @@ torch::Tensor packed_linear(const torch::Tensor& x, const PackedLinear& w) {
 
 // x: the previous layer's output [B, H]; residual: the residual stream, or None before the
 // first layer. Returns (this layer's output, the residual stream before it).
-std::tuple<torch::Tensor, torch::Tensor> decode_layer(
-    torch::Tensor x, c10::optional<torch::Tensor> residual, const torch::Tensor& input_norm,
-    const torch::Tensor& post_norm, double eps, const PackedLinear& qkv_proj,
+std::tuple<at::Tensor, at::Tensor> decode_layer(
+    at::Tensor x, c10::optional<at::Tensor> residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const PackedLinear& qkv_proj,
     const PackedLinear& o_proj, const PackedLinear& gate_up_proj, const PackedLinear& down_proj,
-    int64_t num_heads, int64_t num_kv_heads, double scale, const torch::Tensor& positions,
-    const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor k_cache,
-    torch::Tensor v_cache, const torch::Tensor& slot_mapping, const torch::Tensor& block_tables,
-    const torch::Tensor& context_lens) {
-  torch::Tensor res;
+    int64_t num_heads, int64_t num_kv_heads, double scale, const at::Tensor& positions,
+    const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_cache,
+    at::Tensor v_cache, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+    const at::Tensor& context_lens) {
+  at::Tensor res;
   if (residual.has_value()) {
     res = *residual;
     add_rms_norm_(x, res, input_norm, eps);

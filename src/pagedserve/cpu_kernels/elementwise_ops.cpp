@@ -43,10 +43,10 @@ void rms_norm_rows(T* out, const T* in, const T* w, int64_t rows, int64_t h,
 }  // namespace
 
 // out = rms_norm(x) * weight; x [T, H] with dense rows, weight [H] of x's dtype.
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with dense rows");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous());
-  auto out = torch::empty(x.sizes(), x.options());
+  auto out = at::empty(x.sizes(), x.options());
   dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
@@ -58,7 +58,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
 
 // In place: residual += x (rounded to the dtype, as `x + residual` would be), then
 // x = rms_norm(residual) * weight. Both [T, H], contiguous.
-void add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tensor& weight,
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight,
                    double eps) {
   TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && x.sizes() == residual.sizes());
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous());
@@ -84,11 +84,11 @@ void add_rms_norm_(torch::Tensor& x, torch::Tensor& residual, const torch::Tenso
 // In place rotary embedding in the Hugging Face layout (first and second halves rotated).
 // q [T, Hq, D] and k [T, Hk, D] may be row-strided views (the split of a fused qkv output);
 // cos, sin float32 [max_positions, D / 2]; positions int64 [T].
-void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
-             const torch::Tensor& cos, const torch::Tensor& sin) {
+void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
+             const at::Tensor& cos, const at::Tensor& sin) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "rotary: q heads must be dense");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2), "rotary: k heads must be dense");
-  TORCH_CHECK(cos.scalar_type() == torch::kFloat32 && cos.is_contiguous() && sin.is_contiguous());
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.is_contiguous());
   const int64_t t = q.size(0), hq = q.size(1), hk = k.size(1), d = q.size(2), half = d / 2;
   const int64_t* pos = positions.data_ptr<int64_t>();
   dispatch(q.scalar_type(), "rotary", [&](auto tag) {
@@ -115,10 +115,10 @@ void rotary_(torch::Tensor& q, torch::Tensor& k, const torch::Tensor& positions,
 }
 
 // silu(gate) * up of x = [gate | up], [T, 2I] -> [T, I].
-torch::Tensor silu_and_mul(const torch::Tensor& x) {
+at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0);
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  auto out = torch::empty({rows, inter}, x.options());
+  auto out = at::empty({rows, inter}, x.options());
   dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -144,10 +144,10 @@ torch::Tensor silu_and_mul(const torch::Tensor& x) {
 // Index of the first maximum of each row of x [B, V] (dense rows): greedy sampling's choice,
 // as torch.argmax makes it, without the float32 copy of the logits that torch's max over a
 // dimension needs for speed (together ~1.2 ms a step at batch 32 of the default model).
-torch::Tensor argmax_rows(const torch::Tensor& x) {
+at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "argmax_rows: x [B, V]");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = torch::empty({rows}, x.options().dtype(torch::kLong));
+  auto out = at::empty({rows}, x.options().dtype(at::kLong));
   int64_t* idx = out.data_ptr<int64_t>();
   dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -180,8 +180,8 @@ torch::Tensor argmax_rows(const torch::Tensor& x) {
 // Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
 // [pages, page_size, Hk, D]; slot_mapping int64 [T] (flat page * page_size + offset, or -1 for
 // a token to skip).
-void write_kv_(const torch::Tensor& k, const torch::Tensor& v, torch::Tensor& k_cache,
-               torch::Tensor& v_cache, const torch::Tensor& slot_mapping) {
+void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
+               at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
               v.stride(1) == v.size(2), "write_kv: heads must be dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());

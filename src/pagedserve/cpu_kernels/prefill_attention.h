@@ -2,7 +2,7 @@
 // prefill_attention_amx.cpp).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <vector>

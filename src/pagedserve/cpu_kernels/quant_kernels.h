@@ -2,7 +2,7 @@
 // (quant_layout.h) by the regime of the step's size. quant_linear.cpp chooses among them.
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include "isa.h"
 #include "quant_layout.h"

@@ -22,7 +22,7 @@
 //   halves of 16 inputs (Q6_K: weight = (code - 32) * d * scale).
 #pragma once
 
-#include <torch/extension.h>
+#include <ATen/ATen.h>
 
 #include <cstdint>
 #include <cstring>
