@@ -394,7 +394,9 @@ def test_too_many_replicas_is_a_clear_error(dp, tiny_model):
 
 def test_sigterm_drains_every_replica(dp):
     """Last: a stream in flight finishes whole after SIGTERM, new requests get 503, exit 0."""
-    body = {"model": MODEL, "prompt": "drain me", "max_tokens": 300, "temperature": 0}
+    # Long enough that the drain is still waiting for it when the next request comes (a quiet
+    # machine finished 300 tokens of the tiny model within a second, and the app was gone: 404).
+    body = {"model": MODEL, "prompt": "drain me", "max_tokens": 1800, "temperature": 0}
 
     async def main():
         async with httpx.AsyncClient(timeout=120) as h:
@@ -406,12 +408,15 @@ def test_sigterm_drains_every_replica(dp):
             lines = r.aiter_lines()
             assert (await anext(lines)).startswith("data: ")
             dp.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(1.0)
-            refused = await h.post(f"{dp.url}/v1/completions", json=body)
+            for _ in range(25):  # until the signal handler has started the front door's drain
+                await asyncio.sleep(0.2)
+                refused = await h.post(f"{dp.url}/v1/completions", json={**body, "max_tokens": 4})
+                if refused.status_code != 200:
+                    break
             rest = [line async for line in lines if line.startswith("data: ")]
             return refused, rest
 
     refused, rest = asyncio.run(main())
-    assert refused.status_code == 503
+    assert refused.status_code == 503, refused.text
     assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in rest[-2]
     assert dp.proc.wait(60) == 0

@@ -688,11 +688,11 @@ def test_async_engine_errors_aborts_and_recovery(engine, monkeypatch):
         good = asyncio.create_task(last(ae.generate("Hello there", long, "good")))
         real_execute = engine.runner.execute
 
-        def fail_once(batch, sample_rows):
-            if any(s.seq.request_id == "bad" for s in batch):
+        def fail_once(out, sample_rows):
+            if any(s.seq.request_id == "bad" for s in out.scheduled):
                 monkeypatch.setattr(engine.runner, "execute", real_execute)
                 raise RuntimeError("injected fault")
-            return real_execute(batch, sample_rows)
+            return real_execute(out, sample_rows)
 
         monkeypatch.setattr(engine.runner, "execute", fail_once)
         with pytest.raises(EngineStepError):

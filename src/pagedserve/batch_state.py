@@ -80,7 +80,8 @@ class RowPlanner:
 
     def plan(self, out: SchedulerOutput, sample_rows: list[int]) -> StepDelta:
         """The delta of a step; `sample_rows` index `out.scheduled`, as the logits will."""
-        freed = [self.rows.pop(seq_id) for seq_id in out.released]
+        # A sequence that left before any step of it ran (that step failed) holds no row.
+        freed = [r for r in (self.rows.pop(i, None) for i in out.released) if r is not None]
         for row in freed:
             self._known_pages[row] = 0
             heapq.heappush(self._free, row)

@@ -294,7 +294,12 @@ class LLMEngine:
         )
         seqs = [batch[i].seq for i in sample_rows]
         masks = self.masks.start(seqs)  # filled while the forward pass runs
-        logits = self.runner.execute(out, sample_rows)
+        try:
+            logits = self.runner.execute(out, sample_rows)
+        except BaseException:
+            # The step did not run: the rows it would have freed are freed by the next one.
+            self.scheduler.unrelease(out.released)
+            raise
         self.scheduler.after_step(out)
         result = sample(logits, seqs, self.eos_token_ids, masks.result() if masks else None)
 

@@ -105,6 +105,10 @@ class Scheduler:
             out.released, self._released = self._released, []
         return out
 
+    def unrelease(self, seq_ids: list[int]) -> None:
+        """Hand `seq_ids` out again with the next step (the step that carried them failed)."""
+        self._released[:0] = seq_ids
+
     def _preempt(self, seq: Sequence) -> None:
         self._released.append(seq.seq_id)
         self.block_manager.free(seq)
