@@ -1,21 +1,20 @@
 """What a request asks of its output's shape: response_format, vLLM's structured_outputs, tools
 and tool_choice, turned into the grammar the engine enforces and what the response reads.
 
-Bad combinations are 400s naming the field; grammars are compiled (off the event loop, into
-the engine's cache) before a request is admitted, so a schema the backend cannot build is a
-400 naming the field and the keyword, never an error mid-stream.
+Bad combinations are 400s naming the field; the plan's grammars are compiled (off the event
+loop, into the engine's cache, by `OpenAIServing.compile_grammars`) before a request is
+admitted, so a schema the backend cannot build is a 400 naming the field and the keyword,
+never an error mid-stream.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.server import protocol as P
 from pagedserve.server.errors import bad_request
-from pagedserve.structured.compiler import GrammarCompiler, GrammarError
 from pagedserve.structured.spec import StructuredSpec
 from pagedserve.tools.grammar import parameters_schema, tool_call_spec
 
@@ -114,12 +113,3 @@ def chat_plan(req: P.ChatCompletionRequest) -> OutputPlan:
         for i in forced
     ]
     return OutputPlan(spec, [*checks, (spec, "tools")], tools, parse_tools=True)
-
-
-async def compile_checks(grammars: GrammarCompiler, checks: list[Check]) -> None:
-    """Compile each grammar into the engine's cache; 400 naming the field of one that fails."""
-    for spec, param in checks:
-        try:
-            await asyncio.wrap_future(grammars.compile_async(spec))
-        except GrammarError as e:
-            raise bad_request(f"{param}: {e}", param) from None

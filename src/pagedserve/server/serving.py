@@ -19,10 +19,11 @@ from pagedserve.output_stream import OutputProcessor, RequestStream
 from pagedserve.outputs import CompletionDelta, Usage
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.server import protocol as P
-from pagedserve.server.constraints import OutputPlan, chat_plan, compile_checks, completion_plan
+from pagedserve.server.constraints import OutputPlan, chat_plan, completion_plan
 from pagedserve.server.errors import APIError, bad_request, engine_error, param_from_value_error
 from pagedserve.server.logprobs import TokenText
 from pagedserve.server.metrics import ServerMetrics
+from pagedserve.structured.compiler import GrammarError
 from pagedserve.structured.spec import StructuredSpec
 from pagedserve.tools import prompt as tool_prompt
 
@@ -189,7 +190,11 @@ class OpenAIServing:
     async def compile_grammars(self, plan: OutputPlan) -> None:
         """Build the plan's grammars into the engine's cache, off the event loop; a 400 naming
         the field of one that fails. The request waits here; the engine never does."""
-        await compile_checks(self.engine.grammars, plan.checks)
+        for spec, param in plan.checks:
+            try:
+                await asyncio.wrap_future(self.engine.grammars.compile_async(spec))
+            except GrammarError as e:
+                raise bad_request(f"{param}: {e}", param) from None
 
     # ---- generation ----------------------------------------------------------------------
     @staticmethod
