@@ -11,6 +11,7 @@ from pagedserve.attention.torch_backend import TorchAttentionBackend
 from pagedserve.cpu_kernels import HEADERS, build_name, isa, ops
 from pagedserve.models import layer_ops
 from pagedserve.models.linear import Linear
+from pagedserve.structured.bitmask import StepMask, masked_logits_torch
 
 # Every kernel test runs at each level this CPU supports (conftest.kernel_level).
 pytestmark = pytest.mark.usefixtures("kernel_level")
@@ -60,6 +61,22 @@ def test_argmax_rows_takes_the_first_maximum(dtype):
     got = ops().argmax_rows(x)
     assert got.tolist() == x.argmax(dim=-1).tolist() == [x[0].argmax().item(), 3, 999, 0, 256, 0]
     assert ops().argmax_rows(x[:0]).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_masked_logits_equals_the_torch_mask(dtype):
+    gen = torch.Generator().manual_seed(0)
+    vocab = 1000  # not a multiple of 32: the last word is partial
+    logits = torch.randn(5, vocab + 24, generator=gen).to(dtype)[:, :vocab]  # strided rows
+    bits = torch.randint(-(2**31), 2**31 - 1, (3, 32), generator=gen, dtype=torch.int32)
+    bits[0, :10] = 0  # whole words forbidden
+    bits[1, 5:20] = -1  # whole words allowed
+    bits[2] = 0  # a dead end
+    mask = StepMask(torch.tensor([3, 0, 4]), bits)
+    got = ops().masked_logits(logits, mask.rows, mask.bits)
+    assert got.dtype == dtype and got.is_contiguous()
+    assert torch.equal(got, masked_logits_torch(logits, mask))
+    assert torch.isneginf(got[4]).all() and torch.equal(got[[1, 2]], logits[[1, 2]])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -19,7 +19,13 @@ import torch
 from conftest import PROMPTS, assert_pool_whole
 from pagedserve.output_stream import RequestStream
 from pagedserve.outputs import CompletionDelta, RequestDelta
-from pagedserve.structured.bitmask import StepMask, allowed_tokens, apply_bitmask
+from pagedserve.structured.bitmask import (
+    StepMask,
+    allowed_tokens,
+    apply_bitmask,
+    masked_logits_torch,
+    rows_without_tokens,
+)
 from pagedserve.tools.parser import ToolCallProcessor, parse
 from test_server import MODEL, ServerProcess, chat_messages
 
@@ -162,10 +168,22 @@ def test_bitmask_masks_constrained_rows_only():
     bits = torch.zeros(1, 3, dtype=torch.int32)
     bits[0, 0] = 1 << 5  # token 5
     bits[0, 2] = 1 << 1  # token 65
-    out = apply_bitmask(logits, StepMask(torch.tensor([1]), bits))
-    assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
-    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 65]
+    mask = StepMask(torch.tensor([1]), bits)
+    for out in apply_bitmask(logits, mask), masked_logits_torch(logits, mask):
+        assert torch.equal(out[0], logits[0]) and torch.equal(out[2], logits[2])
+        assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [5, 65]
     assert allowed_tokens(torch.tensor([[-1]], dtype=torch.int32), 32).all()
+
+
+def test_a_dead_end_row_is_found_by_its_best_token():
+    logits = torch.randn(3, 64)
+    bits = torch.zeros(2, 2, dtype=torch.int32)
+    bits[1, 1] = 1 << 3  # row 2 may say token 35 only; row 0 nothing
+    mask = StepMask(torch.tensor([0, 2]), bits)
+    masked = apply_bitmask(logits, mask)
+    best = masked.argmax(dim=-1)
+    assert best[2] == 35
+    assert rows_without_tokens(masked, best, mask) == [0]
 
 
 # ---- the engine in process ----------------------------------------------------------------

@@ -117,19 +117,20 @@ def sample(
     if any(len(s.output_token_ids) < s.params.min_tokens for s in seqs):
         logits = logits.to(torch.float32, copy=True)
         _block_stop_tokens(logits, seqs, eos_ids)
-    dead = rows_without_tokens(logits, mask) if mask is not None else []
+    greedy = [s.params.greedy for s in seqs]
+    best = _argmax(logits) if mask is not None or any(greedy) else None
+    dead = rows_without_tokens(logits, best, mask) if mask is not None else []
     if dead:  # give them something finite to draw from; their tokens are dropped
         logits = logits.to(torch.float32, copy=True)
         logits[dead] = 0.0
-    greedy = [s.params.greedy for s in seqs]
     if all(greedy):
-        tokens = _argmax(logits)
+        tokens = best
     else:
         temp = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs])
         probs = _filter(torch.softmax(logits.float() / temp[:, None], dim=-1), seqs)
         tokens = _draw(probs, seqs)
         if any(greedy):
-            tokens = torch.where(torch.tensor(greedy), _argmax(logits), tokens)
+            tokens = torch.where(torch.tensor(greedy), best, tokens)
     token_list = tokens.tolist()
 
     want = [s.params.logprobs for s in seqs]

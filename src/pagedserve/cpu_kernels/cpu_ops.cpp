@@ -21,6 +21,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_", &rotary_, nogil);
   m.def("silu_and_mul", &silu_and_mul, nogil);
   m.def("argmax_rows", &argmax_rows, nogil);
+  m.def("masked_logits", &masked_logits, nogil);
   m.def("write_kv_", &write_kv_, nogil);
   m.def("paged_decode_attention", &paged_decode_attention, nogil);
   m.def("prefill_attention_supported", &prefill_attention_supported, nogil);

@@ -27,6 +27,11 @@ at::Tensor silu_and_mul(const at::Tensor& x);
 // Index of the first maximum of each row of x [B, V] (dense rows), as torch.argmax makes it.
 at::Tensor argmax_rows(const at::Tensor& x);
 
+// x [B, V] (dense rows) with, in each row rows[k], the tokens that bits[k] forbids at -inf;
+// bits int32 [R, ceil(V / 32)], bit t % 32 of word t / 32 set = token t allowed (llguidance's
+// layout). Out of place (a step's logits are inference tensors).
+at::Tensor masked_logits(const at::Tensor& x, const at::Tensor& rows, const at::Tensor& bits);
+
 // Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
 // [pages, page_size, Hk, D]; slot_mapping int64 [T] (flat page * page_size + offset, or -1 for
 // a token to skip).
