@@ -42,7 +42,12 @@ clean:
 # Serving benchmark: pagedserve at each CPU kernel level, llama.cpp's server and a naive
 # transformers + Flask server, one at a time; regenerates benchmarks/RESULTS.md, results.json
 # and throughput.png (30-40 minutes on 2 cores; the first run also compiles llama.cpp, ~8).
+# llama.cpp's AMX matmul dies with SIGILL (a tile instruction before its tile configuration,
+# llama-cpp-python 0.3.36): on a CPU with AMX it is compiled without it (AVX-512 stays).
+LLAMA_CMAKE_ARGS := $(shell grep -qw amx_tile /proc/cpuinfo 2>/dev/null && echo \
+	"-DCMAKE_C_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' \
+	-DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 -mno-amx-bf16'")
 .PHONY: bench
 bench: $(STAMP)
-	$(PIP) install -q -e '.[test,bench]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e '.[test,bench]'
 	$(PY) benchmarks/run_bench.py
