@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -142,3 +144,47 @@ def test_decode_layers_in_one_call_match_the_module_path(monkeypatch):
     monkeypatch.setattr(LlamaForCausalLM, "_fused_decode_layers", None)
     llm = LLM(kv_cache_memory="64MiB")
     assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:4], params)] == fused
+
+
+def test_a_saved_index_replaces_the_parse(tmp_path, monkeypatch):
+    """The second read of a file takes its config and weights from the saved index (no parse
+    of the metadata), equal to the first; a rewritten file is parsed afresh."""
+    from pagedserve.models.gguf_index import GGUFIndex
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    rng = np.random.default_rng(0)
+    q8, q4, f32 = GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.F32
+    tensors = {
+        "token_embd.weight": (rng.standard_normal((64, 32)).astype(np.float32), q8),
+        "blk.0.attn_q.weight": (rng.standard_normal((32, 32)).astype(np.float32), q4),
+        "blk.0.attn_norm.weight": (np.ones(32, dtype=np.float32), f32),
+    }
+    path = str(tmp_path / "m.gguf")
+    write_gguf(path, "llama", tensors)
+
+    def read():
+        cfg = gguf_file.read_config(path)
+        return cfg, [
+            (n, w.dense if hasattr(w, "dense") else w) for n, w in gguf_file.iter_weights(path, cfg)
+        ]
+
+    parses = []
+    real_parse = GGUFIndex.parse.__func__
+    monkeypatch.setattr(
+        GGUFIndex, "parse", classmethod(lambda cls, p: parses.append(p) or real_parse(cls, p))
+    )
+    cfg, weights = read()
+    assert parses == [path] and list((tmp_path / "cache" / "pagedserve" / "gguf-index").iterdir())
+    cfg2, weights2 = read()
+    assert parses == [path] and cfg2 == cfg  # from the index
+    assert [n for n, _ in weights2] == [n for n, _ in weights]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(weights, weights2, strict=True))
+
+    tensors["blk.0.attn_norm.weight"] = (np.full(32, 2.0, dtype=np.float32), f32)
+    write_gguf(path, "llama", tensors)
+    os.utime(path, ns=(1, 1))  # a replaced file (its modification time differs)
+    _, weights3 = read()
+    assert parses == [path, path]
+    assert torch.equal(
+        dict(weights3)["model.layers.0.input_layernorm.weight"], torch.full((32,), 2.0)
+    )

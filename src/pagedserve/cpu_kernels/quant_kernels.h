@@ -18,8 +18,7 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const fl
                       int64_t n);
 
 #ifdef PAGEDSERVE_AVX512_BF16
-// bf16 x of at most kGemvMaxRows rows, block types: AVX-512 BF16 dot products
-// (quant_linear_gemv_bf16.cpp).
+// bf16 x, block types: AVX-512 BF16 dot products (quant_linear_gemv_bf16.cpp).
 void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scales,
                       const at::Half* offsets, const float* bias, at::BFloat16* y, int64_t n,
                       int bits);

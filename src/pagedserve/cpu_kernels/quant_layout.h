@@ -35,7 +35,7 @@ constexpr int64_t kSuperGroups = 8;  // groups per K super-block
 // float32 steps of at most this many rows take dot products, bigger ones decoded tiles.
 constexpr int64_t kDotMaxRows = 8;
 // bf16 steps of at most this many rows take the AVX-512 BF16 dot products (block types) or the
-// float32 dot products (K types); bigger ones AMX.
+// float32 dot products (K types); bigger ones AMX where the CPU has it.
 constexpr int64_t kGemvMaxRows = 4;
 
 // The code at row r, lane `lane` of a tile of Bits-wide codes (4 or 8).

@@ -2,9 +2,10 @@
 // kernel level: block types (Q4_0/Q4_1, Q8_0) and K types (Q4_K, Q5_K, Q6_K). A step's linears
 // are bound by reading weights: at 4-8 bits per weight they read 2-4x fewer bytes than bfloat16
 // (4-7x fewer than float32). The kernels by regime:
-// - bf16 activations where the level computes bfloat16: a few rows of block types take AVX-512
-//   BF16 dot products (quant_linear_gemv_bf16.cpp); more rows (and K types past a few rows),
-//   AMX tiles (quant_linear_amx.cpp).
+// - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
+//   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
+//   where not; more rows of block types, and K types past a few rows, AMX tiles
+//   (quant_linear_amx.cpp).
 // - float32 activations, and bf16 ones otherwise (computed in float32, rounded once): dot
 //   products for a few rows (quant_linear_few_rows.cpp), decoded tiles for more
 //   (quant_linear_tiles.cpp).
@@ -53,7 +54,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   const at::Tensor a = x.contiguous();
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (!F::kKType) {
-    if (bf16 && m <= kGemvMaxRows) {
+    if (bf16 && (m <= kGemvMaxRows || !amx_available())) {
       gemv_bf16_linear(a, w.codes, w.scales, w.offsets, b, y.data_ptr<at::BFloat16>(), n,
                        F::kBits);
       return y;

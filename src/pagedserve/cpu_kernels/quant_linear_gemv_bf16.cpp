@@ -1,5 +1,6 @@
-// y = x W^T for a few bfloat16 rows over block-type codes (Q4_0/Q4_1, Q8_0) where the level
-// computes bfloat16 (AVX-512 BF16, and AMX builds, whose tiles only pay off for more rows):
+// y = x W^T for bfloat16 rows over block-type codes (Q4_0/Q4_1, Q8_0) where the level computes
+// bfloat16: any number of rows at the avx512 level (AVX-512 BF16 without AMX), a few in AMX
+// builds (whose tiles pay off for more):
 // - four-bit codes become the bfloat16 numbers 128 + code by one OR (exact), vdpbf16ps sums
 //   them against the activations, and each group's sum is scaled once:
 //   sum(x * (code * d + m)) = d * (sum(x * (128 + code)) - 128 * sum(x)) + m * sum(x);
@@ -92,54 +93,72 @@ inline void gemv_q8_tile(const float* xf, int64_t k, const uint8_t* codes, const
   }
 }
 
+// Rows a pass over one tile: R accumulators and R sums in registers (2R of the 32 zmm).
+constexpr int64_t kPassRows = 8;
+// Rows of x a sweep over the tiles reads: 64 rows of 1,536 bfloat16 inputs are 192 KB.
+constexpr int64_t kChunkRows = 64;
+
+// Rows [0, R) of one column tile nt into y (row stride n), bias added, rounded to bfloat16.
 template <int R>
-void gemv_rows(const at::BFloat16* x, const float* xf, const float* xsum, int64_t k,
+void tile_rows(const at::BFloat16* x, const float* xf, const float* xsum, int64_t k,
                const uint8_t* codes, const at::Half* scales, const at::Half* offsets,
-               const float* bias, at::BFloat16* y, int64_t n, int bits) {
+               const float* bias, at::BFloat16* y, int64_t n, int bits, int64_t nt) {
   const int64_t groups = k / kGroup, tile_bytes = kTileRows * kGroup * bits / 8;
-  at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
-    __m512 out[R];
-    for (int64_t nt = begin; nt < end; ++nt) {
-      const int64_t tile = nt * groups;
-      if (bits == 4) {
-        gemv_q4_tile<R>(x, k, xsum, codes + tile * tile_bytes, scales + tile * 16,
-                        offsets != nullptr ? offsets + tile * 16 : nullptr, out);
-      } else {
-        gemv_q8_tile<R>(xf, k, codes + tile * tile_bytes, scales + tile * 16, out);
-      }
-      const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + nt * 16) : _mm512_setzero_ps();
-      for (int i = 0; i < R; ++i) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + nt * 16),
-                            (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[i], b)));
-      }
-    }
-  });
+  const int64_t tile = nt * groups;
+  __m512 out[R];
+  if (bits == 4) {
+    gemv_q4_tile<R>(x, k, xsum, codes + tile * tile_bytes, scales + tile * 16,
+                    offsets != nullptr ? offsets + tile * 16 : nullptr, out);
+  } else {
+    gemv_q8_tile<R>(xf, k, codes + tile * tile_bytes, scales + tile * 16, out);
+  }
+  const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + nt * 16) : _mm512_setzero_ps();
+  for (int i = 0; i < R; ++i) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i * n + nt * 16),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(out[i], b)));
+  }
 }
+
+using TileRows = void (*)(const at::BFloat16*, const float*, const float*, int64_t,
+                          const uint8_t*, const at::Half*, const at::Half*, const float*,
+                          at::BFloat16*, int64_t, int, int64_t);
+constexpr TileRows kTileRowsFor[kPassRows] = {tile_rows<1>, tile_rows<2>, tile_rows<3>,
+                                              tile_rows<4>, tile_rows<5>, tile_rows<6>,
+                                              tile_rows<7>, tile_rows<8>};
 
 }  // namespace
 
-// y = x W^T for a few rows, in chunks of up to kGemvMaxRows.
+// y = x W^T for any number of rows, in chunks of kChunkRows (x's chunk stays in L2): a thread
+// takes whole column tiles and runs every row of the chunk through one before the next
+// (kPassRows at a time), so a tile's codes are read once a chunk and then from L1.
 void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scales,
                       const at::Half* offsets, const float* bias, at::BFloat16* y, int64_t n,
                       int bits) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / kGroup;
   const auto* xp = x.data_ptr<at::BFloat16>();
-  // x in float32 (eight-bit path) and its sum over each group (four-bit path's offsets).
-  std::vector<float> xf(m * k), xsum(m * groups, 0.f);
-  for (int64_t i = 0; i < m * k; ++i) {
-    xf[i] = static_cast<float>(xp[i]);
-    xsum[i / kGroup] += xf[i];
+  // x in float32 (eight-bit path) or its sum over each group (four-bit path's offsets).
+  thread_local std::vector<float> xf, xsum;  // plain memory: ~120 calls a step
+  if (bits == 8) {
+    xf.resize(m * k);
+    for (int64_t i = 0; i < m * k; ++i) xf[i] = static_cast<float>(xp[i]);
+  } else {
+    xsum.assign(m * groups, 0.f);
+    for (int64_t i = 0; i < m * k; ++i) xsum[i / kGroup] += static_cast<float>(xp[i]);
   }
   const float* xfp = xf.data();
   const float* sp = xsum.data();
-  for (int64_t i0 = 0; i0 < m; i0 += kGemvMaxRows) {
-    const int64_t rows = std::min(kGemvMaxRows, m - i0);
-    const auto fn = rows == 1 ? gemv_rows<1>
-                    : rows == 2 ? gemv_rows<2>
-                    : rows == 3 ? gemv_rows<3>
-                                : gemv_rows<4>;
-    fn(xp + i0 * k, xfp + i0 * k, sp + i0 * groups, k, codes, scales, offsets, bias, y + i0 * n,
-       n, bits);
+  for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
+    const int64_t chunk_end = std::min(m, m0 + kChunkRows);
+    at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t nt = begin; nt < end; ++nt) {
+        for (int64_t i0 = m0; i0 < chunk_end; i0 += kPassRows) {
+          const int64_t rows = std::min(kPassRows, chunk_end - i0);
+          kTileRowsFor[rows - 1](xp + i0 * k, bits == 8 ? xfp + i0 * k : nullptr,
+                                 bits == 8 ? nullptr : sp + i0 * groups, k, codes, scales,
+                                 offsets, bias, y + i0 * n, n, bits, nt);
+        }
+      }
+    });
   }
 }
 

@@ -10,12 +10,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
-from gguf.gguf_reader import ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
 from pagedserve.distributed.sharding import Shard
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
+from pagedserve.models.gguf_index import GGUFIndex
 
 logger = logging.getLogger(__name__)
 
@@ -187,57 +187,52 @@ def _quant_codes(
     )
 
 
-def _field(reader: GGUFReader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
 @functools.lru_cache(maxsize=1)
-def _reader(path: str) -> GGUFReader:
-    """One parse of a file for its config and then its weights (iter_weights drops it): the
-    metadata, a vocabulary's strings read field by field, is most of a GGUF's parse."""
-    return GGUFReader(path)
+def _index(path: str) -> GGUFIndex:
+    """One index of a file for its config and then its weights (iter_weights drops it)."""
+    return GGUFIndex.load(path)
 
 
 def read_config(path: str) -> ModelConfig:
-    reader = _reader(path)
-    arch = _field(reader, "general.architecture")
+    index = _index(path)
+    field = index.field
+    arch = field("general.architecture")
     if arch not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"GGUF architecture {arch!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    names = {t.name for t in reader.tensors}
-    heads = _field(reader, f"{arch}.attention.head_count")
-    hidden = _field(reader, f"{arch}.embedding_length")
-    vocab = _field(reader, f"{arch}.vocab_size") or len(_field(reader, "tokenizer.ggml.tokens"))
-    rope_type = _field(reader, f"{arch}.rope.scaling.type")
+    names = {t.name for t in index.tensors}
+    heads = field(f"{arch}.attention.head_count")
+    hidden = field(f"{arch}.embedding_length")
+    vocab = field(f"{arch}.vocab_size") or index.array_lengths.get("tokenizer.ggml.tokens")
+    rope_type = field(f"{arch}.rope.scaling.type")
     rope_scaling = None
     if rope_type not in (None, "none"):
         rope_scaling = {
             "rope_type": rope_type,
-            "factor": _field(reader, f"{arch}.rope.scaling.factor"),
-            "original_max_position_embeddings": _field(
-                reader, f"{arch}.rope.scaling.original_context_length"
+            "factor": field(f"{arch}.rope.scaling.factor"),
+            "original_max_position_embeddings": field(
+                f"{arch}.rope.scaling.original_context_length"
             ),
         }
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eos = field("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=ARCHITECTURES[arch],
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=_field(reader, f"{arch}.feed_forward_length"),
-        num_layers=_field(reader, f"{arch}.block_count"),
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        num_layers=field(f"{arch}.block_count"),
         num_heads=heads,
-        num_kv_heads=_field(reader, f"{arch}.attention.head_count_kv", heads),
-        head_dim=_field(reader, f"{arch}.attention.key_length", hidden // heads),
-        rms_norm_eps=_field(reader, f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
-        rope_theta=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
+        num_kv_heads=field(f"{arch}.attention.head_count_kv", heads),
+        head_dim=field(f"{arch}.attention.key_length", hidden // heads),
+        rms_norm_eps=field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-6),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
-        max_position_embeddings=_field(reader, f"{arch}.context_length", 2048),
+        max_position_embeddings=field(f"{arch}.context_length", 2048),
         tie_word_embeddings="output.weight" not in names,
         qkv_bias="blk.0.attn_q.bias" in names,
         eos_token_ids=[] if eos is None else [eos],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
     )
 
 
@@ -260,12 +255,11 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _read_shard(
-    t: ReaderTensor, qtype: GGMLQuantizationType, shape: tuple[int, ...], shard: Shard | None
+    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...], shard: Shard | None
 ) -> tuple[np.ndarray, tuple[int, ...], Shard | None]:
     """The stored data of a rank's shard of a tensor, and its shape, read without the rest
     (the file is memory-mapped): whole rows, or whole quantization blocks of every row. A shard
     that would split blocks comes back whole, with the cut left to make after dequantizing."""
-    data = t.data
     if shard is None:
         return data, shape, None
     n = shard.stop - shard.start
@@ -290,10 +284,11 @@ def iter_weights(
     Q4_K/Q5_K/Q6_K ones as KQuantWeight (codes + dense), for the CPU kernels; other quantized
     types are dequantized, said in one log line.
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
-    reader = _reader(path)
+    index = _index(path)
+    file = np.memmap(path, mode="r")
     dequantized: collections.Counter[str] = collections.Counter()
     llama_layout = cfg.architecture == "LlamaForCausalLM"
-    for t in reader.tensors:
+    for t in index.tensors:
         qtype = GGMLQuantizationType(t.tensor_type)
         if qtype not in SUPPORTED_TYPES:
             raise UnsupportedModelError(
@@ -302,7 +297,7 @@ def iter_weights(
             )
         name = hf_name(t.name)
         shard = shard_of(name) if shard_of is not None else None
-        data, shape, cut = _read_shard(t, qtype, tuple(int(d) for d in reversed(t.shape)), shard)
+        data, shape, cut = _read_shard(t.data(file), qtype, tuple(reversed(t.shape)), shard)
         # q/k rows are reordered within each head, so a shard of whole heads unpermutes alone.
         rows = shape[0] if cut is None or cut.dim != 0 else cut.stop - cut.start
         heads = None
@@ -322,7 +317,8 @@ def iter_weights(
         if cut is not None:
             array = array[cut.start : cut.stop] if cut.dim == 0 else array[:, cut.start : cut.stop]
         yield name, torch.from_numpy(array if heads is None else _unpermute(array, heads))
-    _reader.cache_clear()  # every weight is copied out: let the file's mapping go
+    del file  # every weight is copied out: let the file's mapping go
+    _index.cache_clear()
     if dequantized:
         from pagedserve.cpu_kernels.isa import kernel_level
 

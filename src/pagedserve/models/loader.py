@@ -6,12 +6,10 @@ import contextlib
 import ctypes
 import gc
 import glob
-import hashlib
 import importlib.util
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -24,7 +22,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from pagedserve.attention import AttentionBackend
 from pagedserve.distributed.group import TPGroup
 from pagedserve.distributed.sharding import Shard, ShardPlan
-from pagedserve.models import gguf_file
+from pagedserve.models import file_cache, gguf_file
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 from pagedserve.models.linear import Linear
 from pagedserve.models.registry import model_class
@@ -87,12 +85,8 @@ def from_pretrained_args(source: ModelSource) -> tuple[str, dict[str, str]]:
 
 
 def tokenizer_cache_dir(source: ModelSource) -> str:
-    """Where a GGUF's tokenizer, once converted, is kept: keyed by the file's path, size and
-    modification time, under $XDG_CACHE_HOME (~/.cache) like the CPU kernels."""
-    st = os.stat(source.path)
-    key = hashlib.sha256(f"{source.path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(root, "pagedserve", "tokenizers", f"{source.name}-{key[:16]}")
+    """Where a GGUF's tokenizer, once converted, is kept."""
+    return file_cache.cache_path(source.path, "tokenizers", source.name)
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
@@ -106,12 +100,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     directory, kwargs = from_pretrained_args(source)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     if source.kind == "gguf":
-        partial = f"{cached}.{os.getpid()}.tmp"
-        try:
-            tokenizer.save_pretrained(partial)
-            os.replace(partial, cached)  # whole or not at all, for concurrent starts
-        except OSError:  # a read-only home, or another start got there first
-            shutil.rmtree(partial, ignore_errors=True)
+        file_cache.save(cached, tokenizer.save_pretrained)
     return tokenizer
 
 
