@@ -31,7 +31,7 @@ def random_packed(n: int, k: int, bits: int, gen: torch.Generator):
     if bits == 0:
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         scale, offset = torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen)
-        return PackedWeight.pack([QuantWeight(codes, scale, offset, torch.empty(0), 4)])
+        return PackedWeight.pack([QuantWeight(codes, scale, offset, 4)])
     codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
     subs = torch.randint(0, 64, (n, k // 32, 2), generator=gen, dtype=torch.uint8)
     supers = torch.rand(n, -(-k // 256), 1 if bits == 6 else 2, generator=gen) * 1e-3

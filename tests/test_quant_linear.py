@@ -25,15 +25,7 @@ def random_quant(n: int, k: int, bits: int, gen: torch.Generator) -> QuantWeight
     else:
         codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         offset = None
-    return quant(codes, scale, offset, bits)
-
-
-def quant(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None, bits: int):
-    n, k = codes.shape
-    dense = codes.float().view(n, k // 32, 32) * scale.unsqueeze(-1)
-    if offset is not None:
-        dense = dense + offset.unsqueeze(-1)
-    return QuantWeight(codes, scale, offset, dense.view(n, k), bits)
+    return QuantWeight(codes, scale, offset, bits)
 
 
 def slack(x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -90,7 +82,7 @@ def test_extreme_codes_and_activations(level, bits, rows):
     top = 15 if bits == 4 else -128
     codes = torch.full((n, k), top, dtype=torch.uint8 if bits == 4 else torch.int8)
     scale = torch.full((n, k // 32), 0.01).half().float()  # GGUF's scales are float16
-    weight = quant(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
+    weight = QuantWeight(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
     packed = PackedWeight.pack([weight])
     x = torch.full((rows, k), 3.0)
     x[:, 1::2] = 2.0

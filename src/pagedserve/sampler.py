@@ -123,8 +123,8 @@ def sample(
     if dead:  # give them something finite to draw from; their tokens are dropped
         logits = logits.to(torch.float32, copy=True)
         logits[dead] = 0.0
-    if all(greedy):
-        tokens = best
+    if all(greedy):  # (also no rows at all)
+        tokens = _argmax(logits) if best is None else best
     else:
         temp = torch.tensor([max(s.params.temperature, 1e-5) for s in seqs])
         probs = _filter(torch.softmax(logits.float() / temp[:, None], dim=-1), seqs)

@@ -75,21 +75,27 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 @dataclass
 class QuantWeight:
     """A block-quantized GGUF matrix kept as codes: weight[n, k] = codes[n, k] * scale[n, g]
-    (+ offset[n, g]) with g = k // 32. `dense` is the same matrix dequantized."""
+    (+ offset[n, g]) with g = k // 32. `dense` is the same matrix dequantized, made only when
+    asked for (a matrix the CPU kernels take packed never is: ~1 s of the default model's
+    start)."""
 
     codes: torch.Tensor  # [N, K]: uint8 in 0..15 (4 bits) or int8 (8 bits)
     scale: torch.Tensor  # [N, K / 32] float32 (float16 values)
     offset: torch.Tensor | None  # [N, K / 32] float32, None for Q8_0
-    dense: torch.Tensor  # [N, K] float32
     bits: int
+
+    @functools.cached_property
+    def dense(self) -> torch.Tensor:
+        """[N, K] float32, equal to gguf's dequantization (the same two float32 roundings)."""
+        n, k = self.codes.shape
+        w = self.codes.view(n, k // QUANT_GROUP, QUANT_GROUP).float() * self.scale.unsqueeze(-1)
+        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(n, k)
 
     def permute_rows(self, n_heads: int) -> QuantWeight:
         def rows(t: torch.Tensor | None) -> torch.Tensor | None:
             return None if t is None else torch.from_numpy(_unpermute(t.numpy(), n_heads))
 
-        return QuantWeight(
-            rows(self.codes), rows(self.scale), rows(self.offset), rows(self.dense), self.bits
-        )
+        return QuantWeight(rows(self.codes), rows(self.scale), rows(self.offset), self.bits)
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.offset, self.dense) if t is not None)
@@ -177,12 +183,10 @@ def _quant_codes(
         m = m.astype(np.float32)
         codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first, then high
     rows, groups = shape[0], shape[1] // QUANT_GROUP
-    dense = codes * d if m is None else codes * d + m
     return QuantWeight(
         torch.from_numpy(codes.reshape(shape).copy()),
         torch.from_numpy(d.reshape(rows, groups)),
         None if m is None else torch.from_numpy(m.reshape(rows, groups)),
-        torch.from_numpy(dense.reshape(shape).astype(np.float32)),
         QUANT_TYPES[qtype],
     )
 

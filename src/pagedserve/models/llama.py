@@ -230,57 +230,77 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         """Load Hugging Face-named tensors, fusing q/k/v and gate/up into one matrix each.
         Quantized weights (QuantWeight, KQuantWeight) are packed for the CPU kernels, and their
-        layers drop the dense copy; a tied output matrix shares the embedding's."""
+        layers drop the dense matrix, which is made and copied only for a layer that cannot
+        take them packed; a tied output matrix shares the embedding's."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        quant_parts: dict[str, dict[int, QuantWeight | KQuantWeight]] = {}
+        quant_parts: dict[str, dict[int, tuple[str, QuantWeight | KQuantWeight]]] = {}
         for hf_name, weight in weights:
-            quantized = isinstance(weight, QuantWeight | KQuantWeight)
-            tensor = weight.dense if quantized else weight
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            parts = name.split(".")
-            fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
-            if quantized:
+            if isinstance(weight, QuantWeight | KQuantWeight):
+                parts = name.split(".")
+                fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
                 module = ".".join(parts[:-2] + [fused[0]] if fused else parts[:-1])
-                quant_parts.setdefault(module, {})[fused[1] if fused else 0] = weight
-            if fused is not None:
-                target = ".".join(parts[:-2] + [fused[0], parts[-1]])
-                param = params[target]
-                start, size = self._shard_range(fused[0], fused[1])
-                param.data[start : start + size].copy_(tensor)
-                loaded.add(f"{target}#{fused[1]}")
+                quant_parts.setdefault(module, {})[fused[1] if fused else 0] = (name, weight)
                 continue
-            if name not in params:
-                raise UnsupportedModelError(f"unexpected weight {hf_name!r} in the checkpoint")
-            if params[name].shape != tensor.shape:
-                raise UnsupportedModelError(
-                    f"weight {hf_name!r} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(params[name].shape)}"
-                )
-            params[name].data.copy_(tensor)
-            loaded.add(name)
+            loaded.add(self._copy(params, name, weight))
+        for module, shards in quant_parts.items():
+            named = [shards[i] for i in sorted(shards)]
+            if self._use_packed(module, [w for _, w in named]):
+                loaded.update(self._target(name)[0] for name, _ in named)
+            else:
+                loaded.update(self._copy(params, name, w.dense) for name, w in named)
         missing = [n for n in self.expected_weights() if n not in loaded]
         if missing:
             raise UnsupportedModelError(f"checkpoint lacks weights: {', '.join(missing[:5])}")
-        for name, shards in quant_parts.items():
-            self._use_packed(name, shards)
 
-    def _use_packed(self, name: str, shards: dict[int, QuantWeight | KQuantWeight]) -> None:
-        layer = self.get_submodule(name)
+    def _target(self, name: str) -> tuple[str, str, tuple[int, int] | None]:
+        """A checkpoint weight's name in expected_weights(), its parameter, and for a part of
+        a fused matrix the rows it fills."""
+        parts = name.split(".")
+        fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
+        if fused is None:
+            return name, name, None
+        target = ".".join(parts[:-2] + [fused[0], parts[-1]])
+        return f"{target}#{fused[1]}", target, self._shard_range(fused[0], fused[1])
+
+    def _copy(self, params: dict[str, nn.Parameter], name: str, tensor: torch.Tensor) -> str:
+        key, target, rows = self._target(name)
+        if target not in params:
+            raise UnsupportedModelError(f"unexpected weight {name!r} in the checkpoint")
+        param = params[target]
+        if rows is not None:
+            start, size = rows
+            param.data[start : start + size].copy_(tensor)
+            return key
+        if param.shape != tensor.shape:
+            raise UnsupportedModelError(
+                f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
+            )
+        param.data.copy_(tensor)
+        return key
+
+    def _use_packed(self, name: str, parts: list[QuantWeight | KQuantWeight]) -> bool:
+        """Whether layer `name` now multiplies by `parts` packed (all its parts quantized,
+        of one type the kernels take)."""
+        try:
+            layer = self.get_submodule(name)
+        except AttributeError:
+            return False  # not ours: the dense copy says which weight was unexpected
         n_shards = {"qkv_proj": 3, "gate_up_proj": 2}.get(name.rsplit(".", 1)[-1], 1)
-        parts = [shards[i] for i in sorted(shards)]
         if len(parts) != n_shards or not isinstance(layer, Linear | Embedding):
-            return  # a fused weight whose parts are not all quantized stays dense
+            return False
         if not packable(parts):
-            return  # mixed types, or a shape the kernels do not take
+            return False  # mixed types, or a shape the kernels do not take
         packed = pack(parts)
         layer.use_packed(packed)
         if isinstance(layer, Embedding) and self.cfg.tie_word_embeddings:
             self.lm_head.use_packed(packed)
+        return True
 
     def _shard_range(self, fused: str, index: int) -> tuple[int, int]:
         c = self.cfg

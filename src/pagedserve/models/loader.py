@@ -192,6 +192,18 @@ def _compact_heap():
         libc.mallopt(_M_TRIM_THRESHOLD, 64 * 1024 * 1024)
 
 
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device)` without its route through torch's reference implementations,
+    whose first use imports sympy (0.65 s of a start)."""
+    for module in model.modules():  # setattr keeps a buffer's persistence
+        for name, p in module.named_parameters(recurse=False):
+            empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+            setattr(module, name, nn.Parameter(empty, requires_grad=p.requires_grad))
+        for name, b in module.named_buffers(recurse=False):
+            setattr(module, name, torch.empty(b.shape, dtype=b.dtype, device=device))
+    return model
+
+
 def load_model(
     source: ModelSource,
     cfg: ModelConfig,
@@ -210,7 +222,7 @@ def load_model(
             model = cls(cfg, backend, max_positions)
         else:
             model = cls(plan.local_config(cfg), backend, max_positions, tp)
-    model = model.to(dtype=dtype).to_empty(device=device)
+    model = _materialize(model.to(dtype=dtype), device)
     model.tie_weights()
     model.rotary.build(device)
     total = len(model.expected_weights())
