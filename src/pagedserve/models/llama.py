@@ -234,7 +234,8 @@ class LlamaForCausalLM(nn.Module):
         take them packed; a tied output matrix shares the embedding's."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
-        quant_parts: dict[str, dict[int, tuple[str, QuantWeight | KQuantWeight]]] = {}
+        # layer -> its parts' expected_weights() names -> (checkpoint name, weight)
+        quant_parts: dict[str, dict[str, tuple[str, QuantWeight | KQuantWeight]]] = {}
         for hf_name, weight in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
@@ -242,16 +243,14 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             if isinstance(weight, QuantWeight | KQuantWeight):
-                parts = name.split(".")
-                fused = self._STACKED.get(parts[-2]) if len(parts) >= 2 else None
-                module = ".".join(parts[:-2] + [fused[0]] if fused else parts[:-1])
-                quant_parts.setdefault(module, {})[fused[1] if fused else 0] = (name, weight)
+                key, target, _ = self._target(name)
+                quant_parts.setdefault(target.rsplit(".", 1)[0], {})[key] = (name, weight)
                 continue
             loaded.add(self._copy(params, name, weight))
         for module, shards in quant_parts.items():
-            named = [shards[i] for i in sorted(shards)]
+            named = [shards[key] for key in sorted(shards)]  # fused parts in order: #0, #1, #2
             if self._use_packed(module, [w for _, w in named]):
-                loaded.update(self._target(name)[0] for name, _ in named)
+                loaded.update(shards)
             else:
                 loaded.update(self._copy(params, name, w.dense) for name, w in named)
         missing = [n for n in self.expected_weights() if n not in loaded]
