@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from pagedserve.cpu_kernels import kernel_level, ops
+from pagedserve.cpu_kernels import kernel_level
 from pagedserve.models.gguf_file import KQuantWeight, QuantWeight
 from pagedserve.models.quant_weight import KPackedWeight, PackedWeight
 
@@ -49,10 +49,8 @@ def ratio(
     packed: PackedWeight | KPackedWeight, dense: torch.Tensor, x: torch.Tensor, rounds: int
 ) -> float:
     """Median dense time / median packed time, the two timed in turn `rounds` times."""
-    kernel_args = packed.kernel_args(None)
-    linear = ops().kquant_linear if isinstance(packed, KPackedWeight) else ops().quant_linear
     cases = {
-        "packed": lambda: linear(x, *kernel_args),
+        "packed": lambda: packed.linear(x, None),
         "dense": lambda: torch.nn.functional.linear(x, dense),
     }
     # Repeats per timing: about 20 ms of the slower side.

@@ -91,6 +91,55 @@ def test_extreme_codes_and_activations(level, bits, rows):
     assert ((got - want).abs() <= slack(x, weight.dense, want)).all()
 
 
+def int8_reference(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's products of four-bit codes and activations quantized per group of 32
+    (quant_linear_int8.cpp): a = round(x * 127 / max|x|) and, per group,
+    d * (max|x| / 127) * sum(a * c) + m * sum(x). Returns the result and its rounding bound
+    (float32 sums in any order; one code of a group rounded the other way at a tie)."""
+    m, k = x.shape
+    xg = x.float().view(m, k // 32, 32)
+    top = xg.abs().amax(-1)
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    a = (xg * inv[..., None]).round()
+    s = top / 127
+    c = weight.codes.float().view(-1, k // 32, 32)
+    d, off = weight.scale, weight.offset
+    per_group = torch.einsum("mgj,ngj->mng", a, c) * d * s[:, None] + off * xg.sum(-1)[:, None]
+    tie = (15 * d.abs() * s[:, None]).sum(-1)
+    return per_group.sum(-1), 2**-16 * per_group.abs().sum(-1) + tie
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 33, 70])  # passes of 8, chunks of 64
+def test_int8_activations_are_llama_cpp_products(level, dtype, rows):
+    """With int8_activations, four-bit codes take integer products at every level but generic
+    (which keeps its float ones), except bf16 steps of over 8 rows where AMX has tiles. Each
+    group's largest activation is 64x the others, so the others' int8 codes are coarse and a
+    float32 result visibly not float32 products'."""
+    gen = torch.Generator().manual_seed(rows)
+    weight = random_quant(96, 192, 4, gen)
+    packed = PackedWeight.pack([weight])
+    packed.int8_activations = True
+    x = torch.randn(rows, 192, generator=gen)
+    x[:, ::32] = 64.0
+    x = x.to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    got = ops_for(level).quant_linear(x, *packed.kernel_args(bias)).float()
+    exact = torch.nn.functional.linear(x.float(), weight.dense, bias.float())
+    amx_tiles = level == "amx" and dtype == torch.bfloat16 and rows > 8  # faster there
+    if level == "generic" or amx_tiles:
+        assert ((got - exact).abs() <= slack(x, weight.dense, exact)).all()
+        return
+    want, bound = int8_reference(x, weight)
+    want += bias.float()
+    if dtype == torch.bfloat16:
+        bound += 2**-8 * want.abs()  # the result rounded to bf16
+    assert ((got - want).abs() <= bound).all()
+    if dtype == torch.float32:  # not float32 products (bf16's own rounding would hide it)
+        assert (got - exact).abs().max() > 10 * slack(x, weight.dense, exact).max()
+
+
 def test_packed_linear_and_embedding_free_the_dense_copy():
     gen = torch.Generator().manual_seed(5)
     weight = random_quant(64, 64, 8, gen)

@@ -145,9 +145,22 @@ class LLMEngine:
             and self.source.kind == "gguf"
             and packed_kernels_available(self.dtype)
         )
+        # llama.cpp's int8 products unless float32 was asked for by name: exact float32
+        # products are then kept (greedy output equal to transformers'). The generic level's
+        # portable kernels have float products only.
+        int8_activations = (
+            keep_quant and config.dtype != "float32" and isa.kernel_level() != "generic"
+        )
         page_size = config.block_size
         spec = LoadSpec(
-            config, self.source, cfg, self.dtype, self.device.type, max_positions, keep_quant
+            config,
+            self.source,
+            cfg,
+            self.dtype,
+            self.device.type,
+            max_positions,
+            keep_quant,
+            int8_activations,
         )
         # Under tensor parallelism rank 0 runs in this process, the others in workers.
         self.runner: Executor = start_executor(spec, self.device)

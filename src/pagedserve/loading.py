@@ -37,6 +37,7 @@ class LoadSpec:
     device_type: str
     max_positions: int
     keep_quant: bool = False
+    int8_activations: bool = False
 
 
 def load_runner(spec: LoadSpec, device: torch.device, tp: TPGroup | None = None) -> ModelRunner:
@@ -52,7 +53,15 @@ def load_runner(spec: LoadSpec, device: torch.device, tp: TPGroup | None = None)
         cpu_kernels.ops()
     backend = get_backend(config.attention_backend, device)
     model = load_model(
-        spec.source, cfg, backend, dtype, device, spec.max_positions, spec.keep_quant, tp=tp
+        spec.source,
+        cfg,
+        backend,
+        dtype,
+        device,
+        spec.max_positions,
+        spec.keep_quant,
+        tp=tp,
+        int8_activations=spec.int8_activations,
     )
     per_page = kv_bytes_per_page(local, config.block_size, dtype)
     num_pages = kv_budget_bytes(config, model, local, dtype, device) // per_page

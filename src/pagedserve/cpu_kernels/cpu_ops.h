@@ -47,10 +47,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                      const at::Tensor& context_lens, double scale);
 
 // A packed linear as Python passes it (models/quant_weight.py): codes, scales, offsets, bias,
-// bits of a block type (quant_linear), or codes, supers, subs, bias, bits of a K type
-// (kquant_linear), whose scales alone are float32.
+// bits, int8_activations of a block type (quant_linear), or codes, supers, subs, bias, bits of
+// a K type (kquant_linear; whose scales alone are float32), then false.
 using PackedLinear = std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
-                                c10::optional<at::Tensor>, int64_t>;
+                                c10::optional<at::Tensor>, int64_t, bool>;
 
 // One decoder layer of a decode step on packed weights (decode_layer.cpp).
 std::tuple<at::Tensor, at::Tensor> decode_layer(

@@ -7,11 +7,11 @@
 namespace {
 
 at::Tensor packed_linear(const at::Tensor& x, const PackedLinear& w) {
-  const auto& [codes, scales, offsets, bias, bits] = w;
+  const auto& [codes, scales, offsets, bias, bits, int8_activations] = w;
   if (scales.scalar_type() == at::kFloat) {
     return kquant_linear(x, codes, scales, offsets.value(), bias, bits);
   }
-  return quant_linear(x, codes, scales, offsets, bias, bits);
+  return quant_linear(x, codes, scales, offsets, bias, bits, int8_activations);
 }
 
 }  // namespace

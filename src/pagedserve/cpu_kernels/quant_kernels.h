@@ -17,6 +17,13 @@ template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                       int64_t n);
 
+#ifdef PAGEDSERVE_AVX2
+// Four-bit block types over x quantized to int8 per group (quant_linear_int8.cpp).
+template <typename T>
+void int8_linear(const T* x, int64_t m, int64_t k, const BlockFormat<4>& w, const float* bias,
+                 T* y, int64_t n);
+#endif
+
 #ifdef PAGEDSERVE_AVX512_BF16
 // bf16 x, block types: AVX-512 BF16 dot products (quant_linear_gemv_bf16.cpp).
 void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half* scales,

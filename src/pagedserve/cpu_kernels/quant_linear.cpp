@@ -12,6 +12,7 @@
 #include "quant_linear.h"
 
 #include <cstring>
+#include <type_traits>
 #include <functional>
 #include <vector>
 
@@ -38,7 +39,7 @@ void float_linear(const float* x, int64_t m, int64_t k, const F& w, const float*
 
 template <typename F>
 at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tensor>& bias,
-                  int64_t n) {
+                  int64_t n, bool int8_activations) {
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2,
               "quant_linear: x float32 or bf16 [M, K]");
@@ -52,6 +53,18 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   if (m == 0) return y;
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor a = x.contiguous();
+#ifdef PAGEDSERVE_AVX2
+  if constexpr (std::is_same_v<F, BlockFormat<4>>) {
+    if (int8_activations && !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
+      if (bf16) {
+        int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
+      } else {
+        int8_linear(a.data_ptr<float>(), m, k, w, b, y.data_ptr<float>(), n);
+      }
+      return y;
+    }
+  }
+#endif
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (!F::kKType) {
     if (bf16 && (m <= kGemvMaxRows || !amx_available())) {
@@ -189,10 +202,12 @@ bool amx_available() {
 
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
-                        const c10::optional<at::Tensor>& bias, int64_t bits) {
+                        const c10::optional<at::Tensor>& bias, int64_t bits,
+                        bool int8_activations) {
   at::Tensor y;
-  with_block(codes, scales, offsets, bits,
-             [&](const auto& w) { y = linear(x, w, bias, codes.size(0) * kTileCols); });
+  with_block(codes, scales, offsets, bits, [&](const auto& w) {
+    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations);
+  });
   return y;
 }
 
@@ -201,7 +216,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
                          int64_t bits) {
   at::Tensor y;
   with_k(codes, supers, subs, bits,
-         [&](const auto& w) { y = linear(x, w, bias, codes.size(0) * kTileCols); });
+         [&](const auto& w) { y = linear(x, w, bias, codes.size(0) * kTileCols, false); });
   return y;
 }
 

@@ -4,10 +4,13 @@
 #include <ATen/ATen.h>
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
-// and the bias float32 or bf16 (x's dtype).
+// and the bias float32 or bf16 (x's dtype). With `int8_activations`, four-bit W multiplies x
+// quantized to int8 per group where the level has integer products (quant_linear_int8.cpp);
+// without, products are float32 (or bfloat16 where the level computes it).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
-                        const c10::optional<at::Tensor>& bias, int64_t bits);
+                        const c10::optional<at::Tensor>& bias, int64_t bits,
+                        bool int8_activations);
 
 // Rows `ids` of W, dequantized to `dtype` (float32 or bf16) [M, K] (an embedding lookup on
 // tied weights).

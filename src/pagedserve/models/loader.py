@@ -25,6 +25,7 @@ from pagedserve.distributed.sharding import Shard, ShardPlan
 from pagedserve.models import file_cache, gguf_file
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 from pagedserve.models.linear import Linear
+from pagedserve.models.quant_weight import PackedWeight
 from pagedserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -204,6 +205,22 @@ def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
     return model
 
 
+def _use_int8_activations(model: nn.Module) -> None:
+    four_bit = {
+        id(p): p
+        for m in model.modules()
+        if isinstance(p := getattr(m, "packed", None), PackedWeight) and p.bits == 4
+    }
+    for packed in four_bit.values():
+        packed.int8_activations = True
+    if four_bit:
+        logger.info(
+            "%d packed four-bit matrices multiply activations quantized to int8 per group"
+            " (--dtype float32 keeps float32 products)",
+            len(four_bit),
+        )
+
+
 def load_model(
     source: ModelSource,
     cfg: ModelConfig,
@@ -213,8 +230,10 @@ def load_model(
     max_positions: int,
     keep_quant: bool = False,
     tp: TPGroup | None = None,
+    int8_activations: bool = False,
 ) -> nn.Module:
-    """The whole model; with `tp`, this rank's shard of it, reading only its slices."""
+    """The whole model; with `tp`, this rank's shard of it, reading only its slices. With
+    `int8_activations`, packed four-bit matrices multiply int8 activations (PackedWeight)."""
     cls = model_class(cfg.architecture)
     plan = ShardPlan.for_rank(cfg, tp.size, tp.rank) if tp is not None else None
     with torch.device("meta"):
@@ -247,5 +266,7 @@ def load_model(
             for module in model.modules():
                 if isinstance(module, Linear) and module.packed is None:
                     module.use_blocked_layout(keep_weight=id(module.weight) in tied)
+    if int8_activations:
+        _use_int8_activations(model)
     logger.info("loaded %s from %s", source.name, source.path)
     return model.eval()
