@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.cpu_kernels import ops_for
-from pagedserve.cpu_kernels.isa import levels_supported
+from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
 from pagedserve.models.gguf_file import QuantWeight
 from pagedserve.models.linear import Embedding, Linear
 from pagedserve.models.quant_weight import PackedWeight, packable
@@ -75,24 +75,30 @@ def test_rows_are_exact(level, dtype, bits):
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 8, 16])
-def test_extreme_codes_and_activations(level, bits, rows):
+@pytest.mark.parametrize("int8", [False, True])
+def test_extreme_codes_and_activations(level, bits, rows, int8):
     """The largest codes times large activations in every group (no overflow, no lost
-    precision in any path's sums)."""
+    precision in any path's sums: the int8 paths' 16-bit and 32-bit ones included)."""
     n, k = 32, 256
     top = 15 if bits == 4 else -128
     codes = torch.full((n, k), top, dtype=torch.uint8 if bits == 4 else torch.int8)
     scale = torch.full((n, k // 32), 0.01).half().float()  # GGUF's scales are float16
     weight = QuantWeight(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
     packed = PackedWeight.pack([weight])
+    packed.int8_activations = int8
     x = torch.full((rows, k), 3.0)
     x[:, 1::2] = 2.0
-    want = x @ weight.dense.t()
     got = ops_for(level).quant_linear(x, *packed.kernel_args(None))
-    assert ((got - want).abs() <= slack(x, weight.dense, want)).all()
+    if int8 and int8_products(level, x.dtype, bits, rows):
+        want, bound = int8_reference(x, weight)
+    else:
+        want = x @ weight.dense.t()
+        bound = slack(x, weight.dense, want)
+    assert ((got - want).abs() <= bound).all()
 
 
 def int8_reference(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """llama.cpp's products of four-bit codes and activations quantized per group of 32
+    """llama.cpp's products of block codes and activations quantized per group of 32
     (quant_linear_int8.cpp): a = round(x * 127 / max|x|) and, per group,
     d * (max|x| / 127) * sum(a * c) + m * sum(x). Returns the result and its rounding bound
     (float32 sums in any order; one code of a group rounded the other way at a tie)."""
@@ -103,22 +109,32 @@ def int8_reference(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, 
     a = (xg * inv[..., None]).round()
     s = top / 127
     c = weight.codes.float().view(-1, k // 32, 32)
-    d, off = weight.scale, weight.offset
-    per_group = torch.einsum("mgj,ngj->mng", a, c) * d * s[:, None] + off * xg.sum(-1)[:, None]
-    tie = (15 * d.abs() * s[:, None]).sum(-1)
+    per_group = torch.einsum("mgj,ngj->mng", a, c) * weight.scale * s[:, None]
+    if weight.offset is not None:
+        per_group += weight.offset * xg.sum(-1)[:, None]
+    tie = (c.abs().amax(-1) * weight.scale.abs() * s[:, None]).sum(-1)
     return per_group.sum(-1), 2**-16 * per_group.abs().sum(-1) + tie
+
+
+def int8_products(level: str, dtype: torch.dtype, bits: int, rows: int) -> bool:
+    """Whether quant_linear takes int8 products for these with int8_activations: from AVX2 on
+    for four-bit codes, with AVX-512 VNNI for eight-bit ones; not in bf16 steps of over 8
+    rows where AMX has tiles (faster there)."""
+    if level == "generic" or (level == "amx" and dtype == torch.bfloat16 and rows > 8):
+        return False
+    return bits == 4 or (level != "avx2" and "avx512_vnni" in cpu_info().flags)
 
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 33, 70])  # passes of 8, chunks of 64
-def test_int8_activations_are_llama_cpp_products(level, dtype, rows):
-    """With int8_activations, four-bit codes take integer products at every level but generic
-    (which keeps its float ones), except bf16 steps of over 8 rows where AMX has tiles. Each
-    group's largest activation is 64x the others, so the others' int8 codes are coarse and a
-    float32 result visibly not float32 products'."""
+def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows):
+    """With int8_activations, block codes take integer products where the level has them
+    (int8_products), float ones elsewhere. Each group's largest activation is 64x the others,
+    so the others' int8 codes are coarse and a float32 result visibly not float32 products'."""
     gen = torch.Generator().manual_seed(rows)
-    weight = random_quant(96, 192, 4, gen)
+    weight = random_quant(96, 192, bits, gen)
     packed = PackedWeight.pack([weight])
     packed.int8_activations = True
     x = torch.randn(rows, 192, generator=gen)
@@ -127,8 +143,7 @@ def test_int8_activations_are_llama_cpp_products(level, dtype, rows):
     bias = torch.randn(96, generator=gen).to(dtype)
     got = ops_for(level).quant_linear(x, *packed.kernel_args(bias)).float()
     exact = torch.nn.functional.linear(x.float(), weight.dense, bias.float())
-    amx_tiles = level == "amx" and dtype == torch.bfloat16 and rows > 8  # faster there
-    if level == "generic" or amx_tiles:
+    if not int8_products(level, dtype, bits, rows):
         assert ((got - exact).abs() <= slack(x, weight.dense, exact)).all()
         return
     want, bound = int8_reference(x, weight)

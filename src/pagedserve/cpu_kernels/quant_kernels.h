@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 
+#include <type_traits>
+
 #include "isa.h"
 #include "quant_layout.h"
 
@@ -18,10 +20,20 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const fl
                       int64_t n);
 
 #ifdef PAGEDSERVE_AVX2
-// Four-bit block types over x quantized to int8 per group (quant_linear_int8.cpp).
-template <typename T>
-void int8_linear(const T* x, int64_t m, int64_t k, const BlockFormat<4>& w, const float* bias,
-                 T* y, int64_t n);
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_INT8_EIGHT_BIT 1
+#endif
+// Block types over x quantized to int8 per group (quant_linear_int8.cpp): four-bit codes at
+// every level from AVX2 on, eight-bit ones with AVX-512 VNNI.
+template <typename F>
+constexpr bool kInt8Codes = std::is_same_v<F, BlockFormat<4>>
+#ifdef PAGEDSERVE_INT8_EIGHT_BIT
+                            || std::is_same_v<F, BlockFormat<8>>
+#endif
+    ;
+template <typename T, typename F>
+void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
+                 int64_t n);
 #endif
 
 #ifdef PAGEDSERVE_AVX512_BF16

@@ -37,8 +37,8 @@ constexpr int64_t kDotMaxRows = 8;
 // bf16 steps of at most this many rows take the AVX-512 BF16 dot products (block types) or the
 // float32 dot products (K types); bigger ones AMX where the CPU has it.
 constexpr int64_t kGemvMaxRows = 4;
-// With int8 activations, bf16 steps of four-bit codes of at most this many rows take the
-// integer products where AMX would serve; bigger ones AMX (faster from 16 rows on).
+// With int8 activations, bf16 steps of at most this many rows take the integer products
+// where AMX would serve; bigger ones AMX (faster from 16 rows on).
 constexpr int64_t kInt8MaxAmxRows = 8;
 
 // The code at row r, lane `lane` of a tile of Bits-wide codes (4 or 8).

@@ -12,7 +12,6 @@
 #include "quant_linear.h"
 
 #include <cstring>
-#include <type_traits>
 #include <functional>
 #include <vector>
 
@@ -54,7 +53,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor a = x.contiguous();
 #ifdef PAGEDSERVE_AVX2
-  if constexpr (std::is_same_v<F, BlockFormat<4>>) {
+  if constexpr (kInt8Codes<F>) {
     if (int8_activations && !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
       if (bf16) {
         int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);

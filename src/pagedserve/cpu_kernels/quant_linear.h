@@ -4,8 +4,8 @@
 #include <ATen/ATen.h>
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
-// and the bias float32 or bf16 (x's dtype). With `int8_activations`, four-bit W multiplies x
-// quantized to int8 per group where the level has integer products (quant_linear_int8.cpp);
+// and the bias float32 or bf16 (x's dtype). With `int8_activations`, W multiplies x quantized to
+// int8 per group where the level has integer products for its codes (quant_linear_int8.cpp);
 // without, products are float32 (or bfloat16 where the level computes it).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,

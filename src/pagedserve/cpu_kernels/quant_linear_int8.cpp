@@ -1,19 +1,22 @@
-// y = x W^T over four-bit block codes (Q4_0/Q4_1) in integer products, as llama.cpp computes
-// its quantized matmuls: each row of x is quantized per group of 32 inputs to int8 codes a and
-// a float32 scale s (s = max |x| / 127), and
+// y = x W^T over block codes (Q4_0/Q4_1; Q8_0 with AVX-512 VNNI) in integer products, as
+// llama.cpp computes its quantized matmuls: each row of x is quantized per group of 32 inputs
+// to int8 codes a and a float32 scale s (s = max |x| / 127), and per group
 // sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact.
 // The integer sums take one instruction per 4 products a lane:
 // - AVX-512 VNNI (vpdpbusd, 64 products an instruction): 16 columns a register, a pass of
-//   kPassRows rows kept in registers over a whole column tile;
-// - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes are
-//   shared by every row of the chunk.
-// Codes are unsigned (0..15) and the activations signed, as both instructions take them. The
-// activations' rounding (~0.4% of the largest in a group) is of bfloat16's order: this path
-// serves bfloat16 activations, never float32 ones, whose products stay exact float32.
+//   kPassRows rows kept in registers over a whole column tile. vpdpbusd multiplies unsigned
+//   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
+//   a + 128 is, and 128 * sum(c) comes off each group's sum.
+// - AVX2 (vpmaddubsw, vpmaddwd), four-bit codes: 8 columns a register; a group's 8 registers
+//   of codes are shared by every row of the chunk. (Eight-bit codes keep their float
+//   products here: signed by signed bytes take twice the instructions, no faster than FMAs.)
+// The activations' rounding (~0.4% of the largest in a group) is of bfloat16's order; a
+// float32 model asked for by name keeps float32 products (engine.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "quant_decode.h"
@@ -42,11 +45,12 @@ inline float reduce_max(__m256 v) {
   return _mm_cvtss_f32(_mm_max_ss(s, _mm_movehdup_ps(s)));
 }
 
-// One group of 32 inputs -> 32 int8 codes, its scale and exact sum. The codes of each 8
-// inputs are stored in the order a nibble quad's 32-bit lane holds a column's codes
-// (quant_layout.h): inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high ones.
-template <typename T>
-inline void quantize_group(const T* x, int8_t* codes, float* scale, float* sum) {
+// One group of 32 inputs -> 32 int8 codes, its scale and exact sum. Four-bit codes' order
+// (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
+// column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
+// ones. Eight-bit codes': inputs in order, a + 128 (unsigned).
+template <bool kNibbleOrder, typename T>
+inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
   for (int j = 0; j < 4; ++j) v[j] = load8(x + 8 * j);
   const __m256 sign = _mm256_set1_ps(-0.f);
@@ -61,40 +65,48 @@ inline void quantize_group(const T* x, int8_t* codes, float* scale, float* sum) 
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   __m256i c[4];
   for (int j = 0; j < 4; ++j) {
-    c[j] = _mm256_cvtps_epi32(_mm256_permutevar8x32_ps(_mm256_mul_ps(v[j], inv), order));
+    __m256 scaled = _mm256_mul_ps(v[j], inv);
+    if constexpr (kNibbleOrder) scaled = _mm256_permutevar8x32_ps(scaled, order);
+    c[j] = _mm256_cvtps_epi32(scaled);
   }
   // packs work within 128-bit lanes: the 32-bit groups come out as block 0..3's first four,
   // then their last four; the same permutation puts each block's two together.
-  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]),
-                                           _mm256_packs_epi32(c[2], c[3]));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes),
-                      _mm256_permutevar8x32_epi32(bytes, order));
+  __m256i bytes = _mm256_permutevar8x32_epi32(
+      _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+  if constexpr (!kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
 }
 
-// Rows of x quantized per group (thread-local buffers: ~120 calls a step).
+// Rows of x quantized per group.
 struct QuantizedRows {
-  const int8_t* codes;  // [m, k]
-  const float* scale;   // [m, groups]
-  const float* sum;     // [m, groups]
+  const uint8_t* codes;  // [m, k]
+  const float* scale;    // [m, groups]
+  const float* sum;      // [m, groups]
+
+  QuantizedRows rows_from(int64_t i, int64_t k) const {
+    const int64_t groups = k / kGroup;
+    return {codes + i * k, scale + i * groups, sum + i * groups};
+  }
 };
 
-template <typename T>
+template <bool kNibbleOrder, typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
-  thread_local std::vector<int8_t> codes;
-  thread_local std::vector<float> scale, sum;
+  thread_local std::vector<uint8_t> codes_buf;  // plain memory: ~120 calls a step
+  thread_local std::vector<float> scale_buf, sum_buf;
   const int64_t groups = k / kGroup;
-  codes.resize(m * k);
-  scale.resize(m * groups);
-  sum.resize(m * groups);
-  // The pool's threads see their own thread_local vectors: hand them this thread's memory.
-  const QuantizedRows q{codes.data(), scale.data(), sum.data()};
+  codes_buf.resize(m * k);
+  scale_buf.resize(m * groups);
+  sum_buf.resize(m * groups);
+  // The pool's threads would see their own thread_local vectors: they get this one's memory.
+  uint8_t* codes = codes_buf.data();
+  float* scale = scale_buf.data();
+  float* sum = sum_buf.data();
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group(x + i * kGroup, const_cast<int8_t*>(q.codes) + i * kGroup,
-                     const_cast<float*>(q.scale) + i, const_cast<float*>(q.sum) + i);
+      quantize_group<kNibbleOrder>(x + i * kGroup, codes + i * kGroup, scale + i, sum + i);
     }
   });
-  return q;
+  return {codes, scale, sum};
 }
 
 template <typename T>
@@ -139,9 +151,45 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w
   }
 }
 
-template <int R, typename T>
-void tile_rows_to(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w, int64_t nt,
-                  const float* bias, T* y, int64_t n) {
+// The same for eight-bit codes: a tile's rows 2s and 2s + 1 (one 64-byte load) hold inputs
+// 4s..4s + 3 of every column; one word permutation gathers each column's four into its lane.
+template <int R>
+inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<8>& w, int64_t nt,
+                      __m512* out) {
+  const int64_t groups = k / kGroup;
+  alignas(64) static constexpr int16_t kColumnWords[32] = {
+      0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+      8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i columns = _mm512_load_si512(kColumnWords);
+  const __m512i ones = _mm512_set1_epi8(1);
+  for (int i = 0; i < R; ++i) out[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* c = w.tile(nt, g);
+    prefetch_ahead(c, 512);
+    __m512i acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
+    __m512i code_sum = _mm512_setzero_si512();
+    for (int s = 0; s < 8; ++s) {
+      const __m512i v = _mm512_permutexvar_epi16(columns, _mm512_loadu_si512(c + s * 64));
+      code_sum = _mm512_dpbusd_epi32(code_sum, ones, v);
+      for (int i = 0; i < R; ++i) {
+        int32_t a;
+        std::memcpy(&a, x.codes + i * k + g * kGroup + 4 * s, sizeof a);
+        acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a), v);
+      }
+    }
+    const __m512i shift = _mm512_slli_epi32(code_sum, 7);  // 128 * sum(c)
+    const __m512 d = load_columns(w.scale(nt, g));
+    for (int i = 0; i < R; ++i) {
+      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i * groups + g]));
+      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], shift)), ds, out[i]);
+    }
+  }
+}
+
+template <int R, typename F, typename T>
+void tile_rows_to(const QuantizedRows& x, int64_t k, const F& w, int64_t nt, const float* bias,
+                  T* y, int64_t n) {
   __m512 out[R];
   tile_rows<R>(x, k, w, nt, out);
   alignas(64) float v[kTileCols];
@@ -152,20 +200,19 @@ void tile_rows_to(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w, in
 }
 
 // A chunk's rows through column tiles [begin, end), kPassRows at a time.
-template <typename T>
-void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFormat<4>& w,
-                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
-  using Fn = void (*)(const QuantizedRows&, int64_t, const BlockFormat<4>&, int64_t,
-                      const float*, T*, int64_t);
-  static constexpr Fn kRows[kPassRows] = {tile_rows_to<1, T>, tile_rows_to<2, T>,
-                                          tile_rows_to<3, T>, tile_rows_to<4, T>,
-                                          tile_rows_to<5, T>, tile_rows_to<6, T>,
-                                          tile_rows_to<7, T>, tile_rows_to<8, T>};
-  const int64_t groups = k / kGroup;
+template <typename F, typename T>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, const float* bias,
+                 T* y, int64_t n, int64_t begin, int64_t end) {
+  using Fn = void (*)(const QuantizedRows&, int64_t, const F&, int64_t, const float*, T*,
+                      int64_t);
+  static constexpr Fn kRows[kPassRows] = {
+      tile_rows_to<1, F, T>, tile_rows_to<2, F, T>, tile_rows_to<3, F, T>,
+      tile_rows_to<4, F, T>, tile_rows_to<5, F, T>, tile_rows_to<6, F, T>,
+      tile_rows_to<7, F, T>, tile_rows_to<8, F, T>};
   for (int64_t nt = begin; nt < end; ++nt) {
     for (int64_t i0 = 0; i0 < rows; i0 += kPassRows) {
-      const QuantizedRows xi{x.codes + i0 * k, x.scale + i0 * groups, x.sum + i0 * groups};
-      kRows[std::min(kPassRows, rows - i0) - 1](xi, k, w, nt, bias, y + i0 * n, n);
+      kRows[std::min(kPassRows, rows - i0) - 1](x.rows_from(i0, k), k, w, nt, bias, y + i0 * n,
+                                                n);
     }
   }
 }
@@ -175,9 +222,10 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
 // The chunk's rows through column tiles [begin, end): per group, the tile's codes as 16
 // registers of bytes (two halves of 8 columns, four quads, low and high nibbles), then every
 // row's sums over them; the row sums of a tile stay in L1 (acc).
-template <typename T>
-void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFormat<4>& w,
-                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
+template <typename F, typename T>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, const float* bias,
+                 T* y, int64_t n, int64_t begin, int64_t end) {
+  static_assert(std::is_same_v<F, BlockFormat<4>>, "AVX2's integer products: four-bit codes");
   const int64_t groups = k / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -197,7 +245,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
         __m256 d, m;
         scales8(w, nt, g, 0, h, d, m);
         for (int64_t i = 0; i < rows; ++i) {
-          const int8_t* a = x.codes + i * k + g * kGroup;
+          const uint8_t* a = x.codes + i * k + g * kGroup;
           // 16-bit sums of 8 products pairs: at most 8 * 2 * 15 * 127 = 30,480, no overflow.
           __m256i s = _mm256_setzero_si256();
           for (int j = 0; j < 8; ++j) {
@@ -225,24 +273,27 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
 
 }  // namespace
 
-template <typename T>
-void int8_linear(const T* x, int64_t m, int64_t k, const BlockFormat<4>& w, const float* bias,
-                 T* y, int64_t n) {
-  const QuantizedRows q = quantize_rows(x, m, k);
-  const int64_t groups = k / kGroup;
+template <typename T, typename F>
+void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
+                 int64_t n) {
+  const QuantizedRows q = quantize_rows<F::kBits == 4>(x, m, k);
   for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
     const int64_t rows = std::min(kChunkRows, m - m0);
-    const QuantizedRows chunk{q.codes + m0 * k, q.scale + m0 * groups, q.sum + m0 * groups};
+    const QuantizedRows chunk = q.rows_from(m0, k);
     at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
       chunk_tiles(chunk, rows, k, w, bias, y + m0 * n, n, begin, end);
     });
   }
 }
 
-template void int8_linear<float>(const float*, int64_t, int64_t, const BlockFormat<4>&,
-                                 const float*, float*, int64_t);
-template void int8_linear<at::BFloat16>(const at::BFloat16*, int64_t, int64_t,
-                                        const BlockFormat<4>&, const float*, at::BFloat16*,
-                                        int64_t);
+#define INSTANTIATE(F)                                                                        \
+  template void int8_linear<float, F>(const float*, int64_t, int64_t, const F&, const float*, \
+                                      float*, int64_t);                                       \
+  template void int8_linear<at::BFloat16, F>(const at::BFloat16*, int64_t, int64_t, const F&, \
+                                             const float*, at::BFloat16*, int64_t);
+INSTANTIATE(BlockFormat<4>)
+#ifdef PAGEDSERVE_INT8_EIGHT_BIT
+INSTANTIATE(BlockFormat<8>)
+#endif
 
 #endif  // PAGEDSERVE_AVX2

@@ -206,18 +206,18 @@ def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _use_int8_activations(model: nn.Module) -> None:
-    four_bit = {
+    block = {
         id(p): p
         for m in model.modules()
-        if isinstance(p := getattr(m, "packed", None), PackedWeight) and p.bits == 4
+        if isinstance(p := getattr(m, "packed", None), PackedWeight)
     }
-    for packed in four_bit.values():
+    for packed in block.values():
         packed.int8_activations = True
-    if four_bit:
+    if block:
         logger.info(
-            "%d packed four-bit matrices multiply activations quantized to int8 per group"
-            " (--dtype float32 keeps float32 products)",
-            len(four_bit),
+            "%d packed Q4_0/Q4_1/Q8_0 matrices multiply activations quantized to int8 per"
+            " group (--dtype float32 keeps float32 products)",
+            len(block),
         )
 
 
@@ -233,7 +233,7 @@ def load_model(
     int8_activations: bool = False,
 ) -> nn.Module:
     """The whole model; with `tp`, this rank's shard of it, reading only its slices. With
-    `int8_activations`, packed four-bit matrices multiply int8 activations (PackedWeight)."""
+    `int8_activations`, packed block-type matrices multiply int8 activations (PackedWeight)."""
     cls = model_class(cfg.architecture)
     plan = ShardPlan.for_rank(cfg, tp.size, tp.rank) if tp is not None else None
     with torch.device("meta"):

@@ -82,8 +82,9 @@ class PackedWeight:
     scales: torch.Tensor  # float16 [N / 16, K / 32, 16]
     offsets: torch.Tensor | None  # like scales; None for 8-bit codes
     bits: int
-    # Four-bit codes times activations quantized to int8 per group (llama.cpp's products:
-    # 2-3x faster than float ones, rounding of bfloat16's order); set by the loader.
+    # Codes times activations quantized to int8 per group, where the CPU kernel level has
+    # integer products for them (llama.cpp's products: 2-3x faster than float ones, rounding
+    # of bfloat16's order); set by the loader.
     int8_activations: bool = False
 
     @classmethod
