@@ -1,5 +1,6 @@
 // Paged decode attention: one query token per sequence, read straight from the KV pages
-// (portable loops the compiler vectorizes; an AMX unit at the amx level). Math in float32.
+// (portable loops the compiler vectorizes; AVX2 intrinsics from the avx2 level on, an AMX unit
+// at the amx level). Math in float32.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -76,6 +77,137 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
   });
   for (int64_t j = 0; j < g * d; ++j) out[j] = from_f<T>(acc[j]);
 }
+
+#ifdef PAGEDSERVE_AVX2
+// decode_unit with AVX2 intrinsics for float32 and bfloat16 caches, head sizes a multiple of
+// 32. The portable loops reduced every (token, head) dot product across lanes on its own and
+// copied each row before use: 16 GFLOP/s at batch 32 (a fifth of a decode step at avx2).
+// Here scores are summed over 4 tokens x up to 3 heads at once (12 accumulators; the query
+// rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
+// keeps 3 heads x 32 dims in registers over all tokens.
+inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8f(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// The lane sums of v[0..7], in order.
+inline __m256 lane_sums(const __m256* v) {
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  const __m256 ce = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, ce, 0x20), _mm256_permute2f128_ps(ab, ce, 0x31));
+}
+
+constexpr int64_t kUnitHeads = 3;  // query heads a pass
+
+// Scores of tokens [0, n) for query heads [0, G) (qf: their scaled float32 rows) into
+// scores[j * stride + t]; row(t): token t's key row.
+// Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: a row
+// kPrefetchRows tokens ahead is fetched while this one is used.
+constexpr int64_t kPrefetchRows = 16;
+template <typename T>
+inline void prefetch_row(const T* row, int64_t d) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t line = 0; line < d * static_cast<int64_t>(sizeof(T)); line += 64) {
+    _mm_prefetch(p + line, _MM_HINT_T0);
+  }
+}
+
+template <int64_t G, typename Row>
+inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, float* scores,
+                        int64_t stride) {
+  for (int64_t t0 = 0; t0 < n; t0 += 8) {
+    for (int64_t t = t0 + kPrefetchRows; t < std::min(n, t0 + kPrefetchRows + 8); ++t) {
+      prefetch_row(row(t), d);
+    }
+    __m256 part[G][8];
+    for (int64_t u0 = 0; u0 < 8; u0 += 4) {
+      const auto* r0 = row(std::min(t0 + u0, n - 1));
+      const auto* r1 = row(std::min(t0 + u0 + 1, n - 1));
+      const auto* r2 = row(std::min(t0 + u0 + 2, n - 1));
+      const auto* r3 = row(std::min(t0 + u0 + 3, n - 1));
+      __m256 a[G][4];
+      for (int64_t j = 0; j < G; ++j) {
+        for (int u = 0; u < 4; ++u) a[j][u] = _mm256_setzero_ps();
+      }
+      for (int64_t c = 0; c < d; c += 8) {
+        const __m256 k[4] = {load8f(r0 + c), load8f(r1 + c), load8f(r2 + c), load8f(r3 + c)};
+        for (int64_t j = 0; j < G; ++j) {
+          const __m256 qj = _mm256_loadu_ps(qf + j * d + c);
+          for (int u = 0; u < 4; ++u) a[j][u] = _mm256_fmadd_ps(k[u], qj, a[j][u]);
+        }
+      }
+      for (int64_t j = 0; j < G; ++j) {
+        for (int u = 0; u < 4; ++u) part[j][u0 + u] = a[j][u];
+      }
+    }
+    // Tokens past n repeat the last one: their scores land in the padding.
+    for (int64_t j = 0; j < G; ++j) _mm256_storeu_ps(scores + j * stride + t0, lane_sums(part[j]));
+  }
+}
+
+// out[j * d + c] for query heads [0, G), dims [c0, c0 + 32): sum over tokens of p * value.
+template <int64_t G, typename T, typename Row>
+inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row& row,
+                        int64_t c0, int64_t d, T* out) {
+  __m256 acc[G][4];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, 32);
+    const auto* r = row(t) + c0;
+    const __m256 v[4] = {load8f(r), load8f(r + 8), load8f(r + 16), load8f(r + 24)};
+    for (int64_t j = 0; j < G; ++j) {
+      const __m256 p = _mm256_broadcast_ss(probs + j * stride + t);
+      for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_fmadd_ps(p, v[i], acc[j][i]);
+    }
+  }
+  alignas(32) float sums[32];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int i = 0; i < 4; ++i) _mm256_store_ps(sums + 8 * i, acc[j][i]);
+    for (int i = 0; i < 32; ++i) out[j * d + c0 + i] = from_f<T>(sums[i]);
+  }
+}
+
+template <int64_t G, typename T, typename Keys, typename Values>
+inline void unit_heads(const float* qf, int64_t d, int64_t n, const Keys& keys,
+                       const Values& values, float* scores, int64_t stride, T* out) {
+  unit_scores<G>(qf, d, n, keys, scores, stride);
+  for (int64_t j = 0; j < G; ++j) softmax_(scores + j * stride, n);
+  for (int64_t c0 = 0; c0 < d; c0 += 32) unit_values<G>(scores, stride, n, values, c0, d, out);
+}
+
+template <typename T>
+void decode_unit_avx2(const T* q, const T* kc, const T* vc, T* out, const int64_t* pages,
+                      int64_t n, int64_t page, int64_t hk, int64_t h, int64_t g, int64_t d,
+                      float scale, std::vector<float>& qf, std::vector<float>& scores,
+                      std::vector<int64_t>& offsets) {
+  const int64_t stride = (n + 7) / 8 * 8;  // scores of a head, padded to whole 8-token blocks
+  qf.resize(g * d);
+  scores.resize(kUnitHeads * stride);
+  for (int64_t j = 0; j < g * d; ++j) qf[j] = to_f(q[j]) * scale;
+  // Each token's row offset, once (a division by the page size a row read took most of the
+  // time).
+  offsets.resize(n);
+  for (int64_t first = 0; first < n; first += page) {
+    const int64_t base = (pages[first / page] * page * hk + h) * d;
+    for (int64_t o = 0; o < std::min(page, n - first); ++o) offsets[first + o] = base + o * hk * d;
+  }
+  const int64_t* at = offsets.data();
+  const auto keys = [=](int64_t t) { return kc + at[t]; };
+  const auto values = [=](int64_t t) { return vc + at[t]; };
+  for (int64_t j0 = 0; j0 < g; j0 += kUnitHeads) {
+    const float* qj = qf.data() + j0 * d;
+    T* oj = out + j0 * d;
+    switch (std::min(kUnitHeads, g - j0)) {
+      case 1: unit_heads<1>(qj, d, n, keys, values, scores.data(), stride, oj); break;
+      case 2: unit_heads<2>(qj, d, n, keys, values, scores.data(), stride, oj); break;
+      default: unit_heads<3>(qj, d, n, keys, values, scores.data(), stride, oj);
+    }
+  }
+}
+#endif
 
 #ifdef PAGEDSERVE_AMX
 // decode_unit for bfloat16 16-token pages with AMX, head size D (64 or 128), G query heads per
@@ -279,6 +411,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     Claims claims(b * hk, claim);
     at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
       std::vector<float> qf, acc, scores;
+      std::vector<int64_t> offsets;
 #ifdef PAGEDSERVE_AMX
       if (amx_fn != nullptr) _tile_loadconfig(&tile_config());
 #endif
@@ -292,6 +425,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
             if (amx_fn != nullptr) {
               amx_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], hk, h,
                      static_cast<float>(scale), scores);
+              continue;
+            }
+          }
+#endif
+#ifdef PAGEDSERVE_AVX2
+          if constexpr (!std::is_same_v<scalar_t, at::Half>) {
+            if (d % 32 == 0) {
+              decode_unit_avx2(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h, g,
+                               d, static_cast<float>(scale), qf, scores, offsets);
               continue;
             }
           }

@@ -247,13 +247,17 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
         for (int64_t i = 0; i < rows; ++i) {
           const uint8_t* a = x.codes + i * k + g * kGroup;
           // 16-bit sums of 8 products pairs: at most 8 * 2 * 15 * 127 = 30,480, no overflow.
-          __m256i s = _mm256_setzero_si256();
+          // Summed as a tree: a chain of 8 additions would wait on each other.
+          __m256i p[8];
           for (int j = 0; j < 8; ++j) {
             int32_t pick;
             std::memcpy(&pick, a + 4 * j, sizeof pick);
-            s = _mm256_add_epi16(s, _mm256_maddubs_epi16(code[j], _mm256_set1_epi32(pick)));
+            p[j] = _mm256_maddubs_epi16(code[j], _mm256_set1_epi32(pick));
           }
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+          for (int w = 4; w > 0; w /= 2) {
+            for (int j = 0; j < w; ++j) p[j] = _mm256_add_epi16(p[j], p[j + w]);
+          }
+          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[0], ones));
           float* o = acc + i * kTileCols + h * 8;
           __m256 r = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i * groups + g])),
                                      _mm256_load_ps(o));
