@@ -2,6 +2,9 @@
 // kernel level: block types (Q4_0/Q4_1, Q8_0) and K types (Q4_K, Q5_K, Q6_K). A step's linears
 // are bound by reading weights: at 4-8 bits per weight they read 2-4x fewer bytes than bfloat16
 // (4-7x fewer than float32). The kernels by regime:
+// - int8_activations (the default but for an explicit float32 model): block types in integer
+//   products over activations quantized per group (quant_linear_int8.cpp) where the level has
+//   them for the codes, except bf16 steps of over kInt8MaxAmxRows rows where AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
 //   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
 //   where not; more rows of block types, and K types past a few rows, AMX tiles

@@ -1,8 +1,7 @@
 // y = x W^T for a few float32 rows (decode steps) over packed codes: dot products in float32
 // over the codes, scaled once per group (or half group, Q6_K):
-// sum(x * (c * d + m)) = d * sum(x * c) + m * sum(x). (llama.cpp's int8 products over
-// activations quantized per group ran 1.5-2x faster on AVX2, but their rounding, ~0.4% of each
-// product, is not float32's: greedy parity with float32 references would not hold.)
+// sum(x * (c * d + m)) = d * sum(x * c) + m * sum(x). (The default, int8 products, is
+// quant_linear_int8.cpp's; these keep float32's rounding, for --dtype float32 and K types.)
 // One driver (few_rows_linear); the inner products per level: AVX2 intrinsics, or portable
 // loops over the 16 columns that the compiler vectorizes.
 #include <ATen/Parallel.h>
