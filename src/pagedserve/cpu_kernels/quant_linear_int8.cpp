@@ -219,9 +219,9 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 
 #else  // AVX2: vpmaddubsw
 
-// The chunk's rows through column tiles [begin, end): per group, the tile's codes as 16
-// registers of bytes (two halves of 8 columns, four quads, low and high nibbles), then every
-// row's sums over them; the row sums of a tile stay in L1 (acc).
+// The chunk's rows through column tiles [begin, end): per group and half tile (8 columns),
+// its codes as 8 registers of bytes (four quads, low and high nibbles), then every row's sums
+// over them; the row sums of a tile stay in L1 (acc).
 template <typename F, typename T>
 void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, const float* bias,
                  T* y, int64_t n, int64_t begin, int64_t end) {
@@ -246,7 +246,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
         scales8(w, nt, g, 0, h, d, m);
         for (int64_t i = 0; i < rows; ++i) {
           const uint8_t* a = x.codes + i * k + g * kGroup;
-          // 16-bit sums of 8 products pairs: at most 8 * 2 * 15 * 127 = 30,480, no overflow.
+          // 16-bit sums of 8 sums of product pairs: at most 8 * 2 * 15 * 127 = 30,480.
           // Summed as a tree: a chain of 8 additions would wait on each other.
           __m256i p[8];
           for (int j = 0; j < 8; ++j) {
@@ -254,8 +254,8 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
             std::memcpy(&pick, a + 4 * j, sizeof pick);
             p[j] = _mm256_maddubs_epi16(code[j], _mm256_set1_epi32(pick));
           }
-          for (int w = 4; w > 0; w /= 2) {
-            for (int j = 0; j < w; ++j) p[j] = _mm256_add_epi16(p[j], p[j + w]);
+          for (int half = 4; half > 0; half /= 2) {
+            for (int j = 0; j < half; ++j) p[j] = _mm256_add_epi16(p[j], p[j + half]);
           }
           const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[0], ones));
           float* o = acc + i * kTileCols + h * 8;
