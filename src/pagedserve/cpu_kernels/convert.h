@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "isa.h"
+
 inline float to_f(float x) { return x; }
 inline float to_f(at::Half x) { return static_cast<float>(x); }
 inline float to_f(at::BFloat16 x) {
@@ -30,6 +32,15 @@ inline at::BFloat16 from_f<at::BFloat16>(float v) {
   bits += 0x7FFFu + ((bits >> 16) & 1u);  // round to nearest even
   return at::BFloat16(static_cast<uint16_t>(bits >> 16), at::BFloat16::from_bits());
 }
+
+#ifdef PAGEDSERVE_AVX2
+// 8 values as float32 (bfloat16: its bits shifted into the high half).
+inline __m256 load8_f32(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8_f32(const at::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
 
 // Calls fn(T{}) with T the C++ type of `dtype` (float, bfloat16 or half). A plain switch, not
 // AT_DISPATCH: the loop bodies carry `#pragma omp simd`, which a macro argument cannot hold.

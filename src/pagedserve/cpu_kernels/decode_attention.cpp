@@ -85,12 +85,6 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
 // Here scores are summed over 4 tokens x up to 3 heads at once (12 accumulators; the query
 // rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
 // keeps 3 heads x 32 dims in registers over all tokens.
-inline __m256 load8f(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8f(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 // The lane sums of v[0..7], in order.
 inline __m256 lane_sums(const __m256* v) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -131,7 +125,7 @@ inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, f
         for (int u = 0; u < 4; ++u) a[j][u] = _mm256_setzero_ps();
       }
       for (int64_t c = 0; c < d; c += 8) {
-        const __m256 k[4] = {load8f(r0 + c), load8f(r1 + c), load8f(r2 + c), load8f(r3 + c)};
+        const __m256 k[4] = {load8_f32(r0 + c), load8_f32(r1 + c), load8_f32(r2 + c), load8_f32(r3 + c)};
         for (int64_t j = 0; j < G; ++j) {
           const __m256 qj = _mm256_loadu_ps(qf + j * d + c);
           for (int u = 0; u < 4; ++u) a[j][u] = _mm256_fmadd_ps(k[u], qj, a[j][u]);
@@ -157,7 +151,7 @@ inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row
   for (int64_t t = 0; t < n; ++t) {
     if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, 32);
     const auto* r = row(t) + c0;
-    const __m256 v[4] = {load8f(r), load8f(r + 8), load8f(r + 16), load8f(r + 24)};
+    const __m256 v[4] = {load8_f32(r), load8_f32(r + 8), load8_f32(r + 16), load8_f32(r + 24)};
     for (int64_t j = 0; j < G; ++j) {
       const __m256 p = _mm256_broadcast_ss(probs + j * stride + t);
       for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_fmadd_ps(p, v[i], acc[j][i]);

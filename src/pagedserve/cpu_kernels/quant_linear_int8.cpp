@@ -19,6 +19,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "convert.h"
 #include "quant_decode.h"
 #include "quant_kernels.h"
 
@@ -27,12 +28,6 @@
 namespace {
 
 constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
-
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
 
 inline float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -52,7 +47,7 @@ inline float reduce_max(__m256 v) {
 template <bool kNibbleOrder, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
-  for (int j = 0; j < 4; ++j) v[j] = load8(x + 8 * j);
+  for (int j = 0; j < 4; ++j) v[j] = load8_f32(x + 8 * j);
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 total = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
   __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
@@ -107,11 +102,6 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
     }
   });
   return {codes, scale, sum};
-}
-
-template <typename T>
-inline void store16(T* y, const float* v, const float* bias) {
-  store_out(y, v, bias, kTileCols);
 }
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
@@ -195,7 +185,7 @@ void tile_rows_to(const QuantizedRows& x, int64_t k, const F& w, int64_t nt, con
   alignas(64) float v[kTileCols];
   for (int i = 0; i < R; ++i) {
     _mm512_store_ps(v, out[i]);
-    store16(y + i * n + nt * kTileCols, v, bias ? bias + nt * kTileCols : nullptr);
+    store_out(y + i * n + nt * kTileCols, v, bias ? bias + nt * kTileCols : nullptr, kTileCols);
   }
 }
 
@@ -267,8 +257,8 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
-      store16(y + i * n + nt * kTileCols, acc + i * kTileCols,
-              bias ? bias + nt * kTileCols : nullptr);
+      store_out(y + i * n + nt * kTileCols, acc + i * kTileCols,
+                bias ? bias + nt * kTileCols : nullptr, kTileCols);
     }
   }
 }
