@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -18,6 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from pagedserve.server.api_server import create_app
+from pagedserve.server.config import ServerConfig
 from pagedserve.v1 import generation_pb2 as pb
 from pagedserve.v1 import generation_pb2_grpc as pb_grpc
 from test_server import MODEL, ServerProcess, _free_port, metric
@@ -27,6 +30,11 @@ AUTH = (("authorization", f"Bearer {API_KEY}"),)
 LIMIT = 40  # --max-concurrent-requests: room for the 32-stream mixed load, small enough to fill
 SERVICE = "pagedserve.v1.Generation"
 ROOT = Path(__file__).resolve().parents[1]
+# A refused connection puts a channel in backoff (1 s, growing); poll a starting server faster.
+FAST_RECONNECT = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 200),
+)
 
 
 class GrpcServer:
@@ -44,16 +52,14 @@ class GrpcServer:
         )
         self.proc = self.http.proc
         self.url = self.http.url
-        self.seen_loading: set[str] = set()  # what a client saw before the model was loaded
         self._ready = False
 
     def wait_ready(self, timeout: float = 180.0) -> GrpcServer:
         if self._ready:
             return self
         deadline = time.monotonic() + timeout
-        with grpc.insecure_channel(self.target) as channel:
+        with grpc.insecure_channel(self.target, options=FAST_RECONNECT) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            stub = pb_grpc.GenerationStub(channel)
             while time.monotonic() < deadline:
                 if self.proc.poll() is not None:
                     raise RuntimeError(f"server exited:\n{self.http.log()}")
@@ -66,12 +72,6 @@ class GrpcServer:
                     self._ready = True
                     self.http.wait_ready(timeout=30)
                     return self
-                self.seen_loading.add(health_pb2.HealthCheckResponse.ServingStatus.Name(status))
-                try:
-                    stub.Generate(pb.GenerateRequest(text="hi"), metadata=AUTH, timeout=5)
-                except grpc.RpcError as e:
-                    if "loading" in (e.details() or ""):
-                        self.seen_loading.add(e.code().name)
                 time.sleep(0.2)
         raise RuntimeError(f"gRPC server not ready after {timeout} s:\n{self.http.log()}")
 
@@ -133,9 +133,67 @@ def test_generated_code_is_current(tmp_path):
 
 
 # ---- health, reflection, model info ---------------------------------------------------------
-def test_health_reflection_and_loading(server):
-    # While the model loaded, the health service said NOT_SERVING and Generate UNAVAILABLE.
-    assert server.seen_loading == {"NOT_SERVING", "UNAVAILABLE"}
+def test_loading_then_load_failure():
+    """While the model loads, HTTP answers 503 `model_loading` (Retry-After) and gRPC says
+    NOT_SERVING and UNAVAILABLE; a failed load keeps both refusing and asks the server to exit.
+    The real app and gRPC server in this process, the load held on an event so that the loading
+    window is certain (the default model loads in about a second, too short for a poller)."""
+    release = threading.Event()
+
+    def load_engine():
+        release.wait(30)
+        raise RuntimeError("no such weights")
+
+    grpc_port = _free_port()
+    app = create_app(ServerConfig(port=0, grpc_port=grpc_port), load_engine)
+    state = app.state.server
+    not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+
+    async def main() -> None:
+        exit_asked = asyncio.Event()
+        state.request_exit = exit_asked.set
+        async with (
+            app.router.lifespan_context(app),
+            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://t") as http,
+            grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+        ):
+            health = health_pb2_grpc.HealthStub(channel)
+            stub = pb_grpc.GenerationStub(channel)
+
+            async def refusals(message: str) -> None:
+                for path, body in (("/health", None), ("/v1/completions", {"prompt": "hi"})):
+                    r = await (http.get(path) if body is None else http.post(path, json=body))
+                    assert r.status_code == 503 and r.headers["retry-after"] == "5"
+                    assert r.json() == {
+                        "error": {
+                            "message": message,
+                            "type": "server_error",
+                            "param": None,
+                            "code": "model_loading",
+                        }
+                    }
+                checks = [
+                    health.Check(health_pb2.HealthCheckRequest(service=s), timeout=5)
+                    for s in ("", SERVICE)
+                ]
+                assert [r.status for r in await asyncio.gather(*checks)] == [not_serving] * 2
+                with pytest.raises(grpc.aio.AioRpcError) as e:
+                    await stub.Generate(pb.GenerateRequest(text="hi"), timeout=5)
+                assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAVAILABLE, message)
+
+            await refusals("the model is still loading")
+            release.set()
+            await asyncio.wait_for(exit_asked.wait(), 30)
+            assert isinstance(state.load_error, RuntimeError)
+            await refusals("the model failed to load")
+
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+
+
+def test_health_and_reflection(server):
     with grpc.insecure_channel(server.target) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", SERVICE):
