@@ -98,7 +98,9 @@ def test_cpu_dtype_auto_is_bfloat16_only_where_native(cpu, monkeypatch, info, ca
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():
-    """torch's builder waits forever on the lock file of a build that was killed."""
+    """torch's builder waits forever on the lock file of a build that was killed. A start
+    whose library is current imports it without the builder; one whose library is not (its
+    stamp gone) runs the builder, which must clear the stale lock and stamp the library."""
     import os
     import subprocess
     import sys
@@ -110,10 +112,24 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():
     ops()  # built and cached
     level = isa.kernel_level()
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
-    tag = f"py{sys.version_info.major}{sys.version_info.minor}_cpu"
-    lock = os.path.join(root, tag, build_name(level), "lock")
+    build_dir = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
+    build_dir = os.path.join(build_dir, build_name(level))
+    lock, stamp = os.path.join(build_dir, "lock"), os.path.join(build_dir, "pagedserve.inputs")
+    code = f"""
+import sys
+from pagedserve.cpu_kernels import ops_for
+print(ops_for({level!r}).kernel_level(), "torch.utils.cpp_extension" in sys.modules)
+"""
+
+    def start() -> str:
+        out = subprocess.run(
+            [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+        )
+        return out.stdout.strip() or out.stderr[-2000:]
+
     open(lock, "w").close()
-    code = f"from pagedserve.cpu_kernels import ops_for; print(ops_for({level!r}).kernel_level())"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.stdout.strip() == level, out.stderr[-2000:]
-    assert not os.path.exists(lock)
+    assert start() == f"{level} False"  # current: imported directly
+    os.unlink(stamp)
+    assert start() == f"{level} True"  # the builder ran (nothing to compile) and cleared the lock
+    assert not os.path.exists(lock) and os.path.exists(stamp)
+    assert start() == f"{level} False"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import gc
 import glob
 import importlib.util
 import json
@@ -185,7 +184,8 @@ def _compact_heap():
     try:
         yield
     finally:
-        gc.collect()
+        # No gc.collect() first: it cost 0.16 s of start-up and freed nothing resident (RSS
+        # after loading the default model 418-436 MB with it, 427 MB without).
         libc.malloc_trim(0)
         # Step-sized temporaries (up to tens of MB) then reuse heap memory instead of paying
         # a fresh mmap and page faults at every step. A fixed mmap threshold also fixes the
