@@ -57,6 +57,25 @@ def cpu(monkeypatch):
     isa.kernel_level.cache_clear()
 
 
+def test_features_turned_off_are_absent_from_levels_and_builds(monkeypatch):
+    """PAGEDSERVE_CPU_FLAGS_OFF: a Sapphire Rapids seen as a Skylake-SP (no VNNI, BF16, AMX)."""
+    monkeypatch.setattr(isa, "_read_cpuinfo", lambda: SAPPHIRE)
+    monkeypatch.setenv(isa.FLAGS_OFF_ENV, "avx512_vnni, avx512_bf16,amx_tile,amx_bf16,sse9")
+    isa.cpu_info.cache_clear()
+    try:
+        seen = isa.cpu_info()
+        assert seen.best_level == "avx512" and not seen.has_native_bf16()
+        assert seen.flags == SKYLAKE.flags
+        assert seen.model == f"{SAPPHIRE.model} without amx_bf16,amx_tile,avx512_bf16,avx512_vnni"
+        assert isa.compile_flags("avx512", seen) == isa.compile_flags("avx512", SKYLAKE)
+        assert isa.target_tag("avx512", seen) != isa.target_tag("avx512", SAPPHIRE)
+        monkeypatch.setenv(isa.FLAGS_OFF_ENV, "")
+        isa.cpu_info.cache_clear()
+        assert isa.cpu_info() == SAPPHIRE
+    finally:
+        isa.cpu_info.cache_clear()
+
+
 def test_the_cap_lowers_the_level_and_refuses_to_raise_it(cpu, monkeypatch):
     cpu(SAPPHIRE)
     monkeypatch.setenv(isa.CAP_ENV, "avx2")

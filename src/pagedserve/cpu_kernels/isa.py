@@ -21,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 LEVELS = ("generic", "avx2", "avx512", "amx")
 CAP_ENV = "PAGEDSERVE_CPU_ISA"
+# CPU features (/proc/cpuinfo names, comma-separated) to treat as absent: one machine then
+# builds and tests what a CPU without them gets, e.g. avx512 without VNNI and BF16 (Skylake-SP).
+FLAGS_OFF_ENV = "PAGEDSERVE_CPU_FLAGS_OFF"
 
 # /proc/cpuinfo flags each x86 level needs.
 _REQUIRED = {
@@ -86,7 +89,12 @@ def _read_cpuinfo() -> CpuInfo:
 
 @functools.cache
 def cpu_info() -> CpuInfo:
-    return _read_cpuinfo()
+    cpu = _read_cpuinfo()
+    off = {f.strip() for f in os.environ.get(FLAGS_OFF_ENV, "").split(",") if f.strip()}
+    if not off & cpu.flags:
+        return cpu
+    model = f"{cpu.model} without {','.join(sorted(off & cpu.flags))}"
+    return CpuInfo(model, cpu.arch, cpu.flags - off)
 
 
 def levels_supported(cpu: CpuInfo | None = None) -> list[str]:
