@@ -75,11 +75,16 @@ def ops_for(level: str) -> ModuleType:
     build_dir = _build_root() / name
     library, stamp = build_dir / f"{name}.so", build_dir / "pagedserve.inputs"  # as _build
     inputs = _inputs_digest(level)
+    module = None
     # A library built from these very inputs is imported directly: torch's builder costs a
-    # start-up 0.2 s (it imports setuptools) only to find that nothing changed.
-    if library.exists() and stamp.exists() and stamp.read_text() == inputs:
-        module = _import_library(name, library)
-    else:
+    # start-up 0.2 s (it imports setuptools) only to find that nothing changed. The shared
+    # lock keeps a build for other inputs (another checkout's sources) from running meanwhile.
+    if library.exists():
+        with open(build_dir / "pagedserve.flock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_SH)
+            if stamp.exists() and stamp.read_text() == inputs:
+                module = _import_library(name, library)
+    if module is None:
         module = _build(level, name, build_dir, inputs)
     if module.kernel_level() != level:
         raise RuntimeError(f"the {level} build reports level {module.kernel_level()}")
