@@ -126,14 +126,14 @@ def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():
 
     from torch.utils.cpp_extension import get_default_build_root
 
-    from pagedserve.cpu_kernels import build_name, ops
+    from pagedserve.cpu_kernels import STAMP, build_name, ops
 
     ops()  # built and cached
     level = isa.kernel_level()
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     build_dir = os.path.join(root, f"py{sys.version_info.major}{sys.version_info.minor}_cpu")
     build_dir = os.path.join(build_dir, build_name(level))
-    lock, stamp = os.path.join(build_dir, "lock"), os.path.join(build_dir, "pagedserve.inputs")
+    lock, stamp = os.path.join(build_dir, "lock"), os.path.join(build_dir, STAMP)
     code = f"""
 import sys
 from pagedserve.cpu_kernels import ops_for

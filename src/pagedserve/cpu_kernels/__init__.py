@@ -30,6 +30,8 @@ SOURCES = sorted(Path(__file__).parent.glob("*.cpp"))  # each holds every level'
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))
 # -fopenmp: at::parallel_for runs on torch's OpenMP pool (serially without it).
 BASE_CFLAGS = ["-O3", "-ffast-math", "-fopenmp"]
+# In a build's folder: the digest of the inputs its library was built from, and our build lock.
+STAMP, FLOCK = "pagedserve.inputs", "pagedserve.flock"
 
 
 def build_name(level: str, headers: list[Path] = HEADERS) -> str:
@@ -73,14 +75,14 @@ def ops_for(level: str) -> ModuleType:
     """The kernels built for `level` (which this CPU must support)."""
     name = build_name(level)
     build_dir = _build_root() / name
-    library, stamp = build_dir / f"{name}.so", build_dir / "pagedserve.inputs"  # as _build
+    library, stamp = build_dir / f"{name}.so", build_dir / STAMP
     inputs = _inputs_digest(level)
     module = None
     # A library built from these very inputs is imported directly: torch's builder costs a
     # start-up 0.2 s (it imports setuptools) only to find that nothing changed. The shared
     # lock keeps a build for other inputs (another checkout's sources) from running meanwhile.
     if library.exists():
-        with open(build_dir / "pagedserve.flock", "w") as guard:
+        with open(build_dir / FLOCK, "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_SH)
             if stamp.exists() and stamp.read_text() == inputs:
                 module = _import_library(name, library)
@@ -105,7 +107,7 @@ def _build(level: str, name: str, build_dir: Path, inputs: str) -> ModuleType:
     # torch's builder guards a build with a lock file that a killed build leaves behind, and
     # every later start then waits on it forever. An flock, which dies with its process,
     # serializes our builds instead; whoever holds it knows any lock file left is stale.
-    with open(build_dir / "pagedserve.flock", "w") as guard:
+    with open(build_dir / FLOCK, "w") as guard:
         fcntl.flock(guard, fcntl.LOCK_EX)
         (build_dir / "lock").unlink(missing_ok=True)
         module = load(
@@ -116,7 +118,7 @@ def _build(level: str, name: str, build_dir: Path, inputs: str) -> ModuleType:
             build_directory=str(build_dir),
             verbose=False,
         )
-        (build_dir / "pagedserve.inputs").write_text(inputs)
+        (build_dir / STAMP).write_text(inputs)
     if (elapsed := time.monotonic() - start) > 2:
         logger.info("built the %s CPU kernels in %.0f s (cached for later starts)", level, elapsed)
     return module

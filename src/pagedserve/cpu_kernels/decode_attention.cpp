@@ -85,6 +85,7 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
 // Here scores are summed over 4 tokens x up to 3 heads at once (12 accumulators; the query
 // rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
 // keeps 3 heads x 32 dims in registers over all tokens.
+
 // The lane sums of v[0..7], in order.
 inline __m256 lane_sums(const __m256* v) {
   const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
@@ -94,8 +95,6 @@ inline __m256 lane_sums(const __m256* v) {
 
 constexpr int64_t kUnitHeads = 3;  // query heads a pass
 
-// Scores of tokens [0, n) for query heads [0, G) (qf: their scaled float32 rows) into
-// scores[j * stride + t]; row(t): token t's key row.
 // Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: a row
 // kPrefetchRows tokens ahead is fetched while this one is used.
 constexpr int64_t kPrefetchRows = 16;
@@ -107,6 +106,8 @@ inline void prefetch_row(const T* row, int64_t d) {
   }
 }
 
+// Scores of tokens [0, n) for query heads [0, G) (qf: their scaled float32 rows) into
+// scores[j * stride + t]; row(t): token t's key row.
 template <int64_t G, typename Row>
 inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, float* scores,
                         int64_t stride) {
