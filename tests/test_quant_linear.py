@@ -117,10 +117,13 @@ def int8_reference(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, 
 
 
 def int8_products(level: str, dtype: torch.dtype, bits: int, rows: int) -> bool:
-    """Whether quant_linear takes int8 products for these with int8_activations: from AVX2 on
-    for four-bit codes, with AVX-512 VNNI for eight-bit ones; not in bf16 steps of over 8
-    rows where AMX has tiles (faster there)."""
-    if level == "generic" or (level == "amx" and dtype == torch.bfloat16 and rows > 8):
+    """Whether quant_linear takes int8 products for these with int8_activations: in the
+    portable kernels (generic) for both code widths up to 4 rows; from AVX2 on for four-bit
+    codes, with AVX-512 VNNI for eight-bit ones, but not in bf16 steps of over 8 rows where
+    AMX has tiles (faster there)."""
+    if level == "generic":
+        return rows <= 4
+    if level == "amx" and dtype == torch.bfloat16 and rows > 8:
         return False
     return bits == 4 or (level != "avx2" and "avx512_vnni" in cpu_info().flags)
 
@@ -128,7 +131,7 @@ def int8_products(level: str, dtype: torch.dtype, bits: int, rows: int) -> bool:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16, 33, 70])  # passes of 8, chunks of 64
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 33, 70])  # passes of 4 and 8, chunks of 64
 def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows):
     """With int8_activations, block codes take integer products where the level has them
     (int8_products), float ones elsewhere. Each group's largest activation is 64x the others,

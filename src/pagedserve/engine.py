@@ -146,11 +146,8 @@ class LLMEngine:
             and packed_kernels_available(self.dtype)
         )
         # llama.cpp's int8 products unless float32 was asked for by name: exact float32
-        # products are then kept (greedy output equal to transformers'). The generic level's
-        # portable kernels have float products only.
-        int8_activations = (
-            keep_quant and config.dtype != "float32" and isa.kernel_level() != "generic"
-        )
+        # products are then kept (greedy output equal to transformers').
+        int8_activations = keep_quant and config.dtype != "float32"
         page_size = config.block_size
         spec = LoadSpec(
             config,

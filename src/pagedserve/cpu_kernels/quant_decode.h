@@ -9,6 +9,7 @@
 
 #include "isa.h"
 #include "quant_layout.h"
+#include "vec.h"
 
 // Rows [0, R) handed to fn<R>(...) for R = 1..4: the few-rows kernels' unrolled row counts.
 #define PAGEDSERVE_ROWS_1_TO_4(rows, fn, ...)        \
@@ -252,7 +253,41 @@ inline void decode_tile_bf16(const BlockFormat<8>& w, int64_t nt, int64_t g, uin
 
 #endif  // PAGEDSERVE_AVX512_BF16
 
-// Portable: one tile -> float32 weights at out[input * ldw + column].
+// Portable, block types: one tile -> float32 weights at out[input * ldw + column], 4 columns
+// a vector: a 32-bit lane of a code row is one column's input pair (its halves).
+template <int Bits>
+inline void decode_tile_f32(const BlockFormat<Bits>& w, int64_t nt, int64_t g, float* out,
+                            int64_t ldw) {
+  float d[2][kTileCols], m[2][kTileCols];
+  w.group_scales(nt, g, d, m);
+  F32x4 dv[4], mv[4];
+  std::memcpy(dv, d[0], sizeof dv);
+  std::memcpy(mv, m[0], sizeof mv);
+  const uint8_t* t = w.tile(nt, g);
+  for (int r = 0; r < kTileRows; ++r) {
+    for (int v = 0; v < 4; ++v) {
+      I32x4 pair[2];  // the codes of inputs 2r and 2r + 1
+      if constexpr (Bits == 4) {
+        I32x4 words;  // nibble r % 4 of each 16-bit word (quant_layout.h)
+        std::memcpy(&words, t + r / 4 * 64 + v * 16, sizeof words);
+        pair[0] = (words >> (4 * (r % 4))) & 0xF;
+        pair[1] = (words >> (16 + 4 * (r % 4))) & 0xF;
+      } else {
+        I8x8 bytes;
+        std::memcpy(&bytes, t + r * 32 + v * 8, sizeof bytes);
+        const I32x4 wide = reinterpret_cast<I32x4>(__builtin_convertvector(bytes, I16x8));
+        pair[0] = low_halves(wide);
+        pair[1] = high_halves(wide);
+      }
+      for (int p = 0; p < 2; ++p) {
+        const F32x4 f = __builtin_convertvector(pair[p], F32x4) * dv[v] + mv[v];
+        std::memcpy(out + (2 * r + p) * ldw + 4 * v, &f, sizeof f);
+      }
+    }
+  }
+}
+
+// Portable, K types: the same, code by code.
 template <typename F>
 inline void decode_tile_f32(const F& w, int64_t nt, int64_t g, float* out, int64_t ldw) {
   float d[2][kTileCols], m[2][kTileCols];

@@ -10,31 +10,39 @@
 #include "quant_layout.h"
 
 // float32 x [m, K] (row stride k), products in float32, y rounded to T:
+#ifdef PAGEDSERVE_AVX2
 // few rows (m <= kDotMaxRows): dot products over the codes (quant_linear_few_rows.cpp);
 template <typename T, typename F>
 void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                      int64_t n);
-// more: decoded tiles (quant_linear_tiles.cpp).
+#endif
+// more, and every row count in the portable kernels: decoded tiles (quant_linear_tiles.cpp).
 template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                       int64_t n);
 
-#ifdef PAGEDSERVE_AVX2
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+// Block types over x quantized to int8 per group (quant_linear_int8.cpp): four-bit codes at
+// every level, eight-bit ones with AVX-512 VNNI and in the portable kernels (AVX2 keeps their
+// float products).
+#if (defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)) || !defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_INT8_EIGHT_BIT 1
 #endif
-// Block types over x quantized to int8 per group (quant_linear_int8.cpp): four-bit codes at
-// every level from AVX2 on, eight-bit ones with AVX-512 VNNI.
 template <typename F>
 constexpr bool kInt8Codes = std::is_same_v<F, BlockFormat<4>>
 #ifdef PAGEDSERVE_INT8_EIGHT_BIT
                             || std::is_same_v<F, BlockFormat<8>>
 #endif
     ;
+// Rows the integer products take: every count from AVX2 on; the portable ones up to 4 (beyond
+// that torch's matmul over decoded strips, many_rows_linear, is as fast or faster).
+#ifdef PAGEDSERVE_AVX2
+constexpr int64_t kInt8MaxRows = INT64_MAX;
+#else
+constexpr int64_t kInt8MaxRows = 4;
+#endif
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n);
-#endif
 
 #ifdef PAGEDSERVE_AVX512_BF16
 // bf16 x, block types: AVX-512 BF16 dot products (quant_linear_gemv_bf16.cpp).

@@ -32,7 +32,8 @@ constexpr int64_t kHalf = 16;      // inputs per scale of a Q6_K group (kernels 
 constexpr int64_t kTileCols = 16;  // output columns per tile
 constexpr int64_t kTileRows = 16;  // code rows per tile (two inputs a row)
 constexpr int64_t kSuperGroups = 8;  // groups per K super-block
-// float32 steps of at most this many rows take dot products, bigger ones decoded tiles.
+// float32 steps of at most this many rows take dot products, bigger ones decoded tiles (from
+// AVX2 on; the portable kernels decode tiles for every row count).
 constexpr int64_t kDotMaxRows = 8;
 // bf16 steps of at most this many rows take the AVX-512 BF16 dot products (block types) or the
 // float32 dot products (K types); bigger ones AMX where the CPU has it.

@@ -4,14 +4,16 @@
 // (4-7x fewer than float32). The kernels by regime:
 // - int8_activations (the default but for an explicit float32 model): block types in integer
 //   products over activations quantized per group (quant_linear_int8.cpp) where the level has
-//   them for the codes, except bf16 steps of over kInt8MaxAmxRows rows where AMX has tiles;
+//   them for the codes and the row count (kInt8MaxRows), except bf16 steps of over
+//   kInt8MaxAmxRows rows where AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
 //   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
 //   where not; more rows of block types, and K types past a few rows, AMX tiles
 //   (quant_linear_amx.cpp).
 // - float32 activations, and bf16 ones otherwise (computed in float32, rounded once): dot
-//   products for a few rows (quant_linear_few_rows.cpp), decoded tiles for more
-//   (quant_linear_tiles.cpp).
+//   products for a few rows (quant_linear_few_rows.cpp; from AVX2 on), decoded tiles for more
+//   (quant_linear_tiles.cpp; every row count in the portable kernels, whose decoded strips
+//   torch's matmul multiplies faster than portable dot products do even at one row).
 #include "quant_linear.h"
 
 #include <cstring>
@@ -32,11 +34,13 @@ namespace {
 template <typename T, typename F>
 void float_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                   int64_t n) {
+#ifdef PAGEDSERVE_AVX2
   if (m <= kDotMaxRows) {
     few_rows_linear(x, m, k, w, bias, y, n);
-  } else {
-    many_rows_linear(x, m, k, w, bias, y, n);
+    return;
   }
+#endif
+  many_rows_linear(x, m, k, w, bias, y, n);
 }
 
 template <typename F>
@@ -55,9 +59,9 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   if (m == 0) return y;
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor a = x.contiguous();
-#ifdef PAGEDSERVE_AVX2
   if constexpr (kInt8Codes<F>) {
-    if (int8_activations && !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
+    if (int8_activations && m <= kInt8MaxRows &&
+        !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
       if (bf16) {
         int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
       } else {
@@ -66,7 +70,6 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
       return y;
     }
   }
-#endif
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (!F::kKType) {
     if (bf16 && (m <= kGemvMaxRows || !amx_available())) {

@@ -2,8 +2,8 @@
 // over the codes, scaled once per group (or half group, Q6_K):
 // sum(x * (c * d + m)) = d * sum(x * c) + m * sum(x). (The default, int8 products, is
 // quant_linear_int8.cpp's; these keep float32's rounding, for --dtype float32 and K types.)
-// One driver (few_rows_linear); the inner products per level: AVX2 intrinsics, or portable
-// loops over the 16 columns that the compiler vectorizes.
+// From AVX2 on: the portable kernels multiply decoded strips at every row count
+// (quant_linear_tiles.cpp).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -12,9 +12,9 @@
 #include "quant_decode.h"
 #include "quant_kernels.h"
 
-namespace {
-
 #ifdef PAGEDSERVE_AVX2
+
+namespace {
 
 // Rows [0, R) of x (row stride k) times column tile nt, four-bit codes and every K type:
 // a = sum(x * c) per scaling (A accumulators a row and half, so that enough FMAs are in
@@ -125,43 +125,6 @@ inline void dot_rows(const BlockFormat<8>& w, int64_t nt, const float* x, int64_
   }
 }
 
-#else  // portable C++
-
-// Rows [0, R) of x times column tile nt, summed per half group in float32 over the codes. The
-// loops run over the 16 columns (lanes 2c + p of a tile row, for input 2r + p).
-template <int R, typename F>
-inline void dot_rows(const F& w, int64_t nt, const float* x, int64_t k, const float* xsum,
-                     float* out) {
-  const int64_t groups = k / kGroup, halves = k / kHalf;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint8_t* t = w.tile(nt, g);
-    float d[2][kTileCols], m[2][kTileCols];
-    w.group_scales(nt, g, d, m);
-    for (int h = 0; h < 2; ++h) {
-      float acc[R][kTileCols] = {};
-      for (int r = 8 * h; r < 8 * h + 8; ++r) {
-        for (int p = 0; p < 2; ++p) {
-          float wc[kTileCols];
-#pragma omp simd
-          for (int c = 0; c < kTileCols; ++c) wc[c] = static_cast<float>(F::code(t, r, 2 * c + p));
-          for (int i = 0; i < R; ++i) {
-            const float xv = x[i * k + g * kGroup + 2 * r + p];
-#pragma omp simd
-            for (int c = 0; c < kTileCols; ++c) acc[i][c] += wc[c] * xv;
-          }
-        }
-      }
-      for (int i = 0; i < R; ++i) {
-        const float xs = xsum[i * halves + 2 * g + h];
-#pragma omp simd
-        for (int c = 0; c < kTileCols; ++c) out[i * 16 + c] += d[h][c] * acc[i][c] + m[h][c] * xs;
-      }
-    }
-  }
-}
-
-#endif  // PAGEDSERVE_AVX2
-
 }  // namespace
 
 // Threads split the column tiles; each tile is multiplied by up to four rows at a time.
@@ -195,3 +158,5 @@ void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const flo
   template void few_rows_linear<at::BFloat16, F>(const float*, int64_t, int64_t, const F&, \
                                                  const float*, at::BFloat16*, int64_t);
 PAGEDSERVE_FOR_EACH_FORMAT(INSTANTIATE)
+
+#endif  // PAGEDSERVE_AVX2

@@ -1,8 +1,8 @@
-// y = x W^T over block codes (Q4_0/Q4_1; Q8_0 with AVX-512 VNNI) in integer products, as
-// llama.cpp computes its quantized matmuls: each row of x is quantized per group of 32 inputs
-// to int8 codes a and a float32 scale s (s = max |x| / 127), and per group
+// y = x W^T over block codes (Q4_0/Q4_1; Q8_0 with AVX-512 VNNI, or portably) in integer
+// products, as llama.cpp computes its quantized matmuls: each row of x is quantized per group
+// of 32 inputs to int8 codes a and a float32 scale s (s = max |x| / 127), and per group
 // sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact.
-// The integer sums take one instruction per 4 products a lane:
+// The integer sums by level:
 // - AVX-512 VNNI (vpdpbusd, 64 products an instruction): 16 columns a register, a pass of
 //   kPassRows rows kept in registers over a whole column tile. vpdpbusd multiplies unsigned
 //   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
@@ -10,11 +10,18 @@
 // - AVX2 (vpmaddubsw, vpmaddwd), four-bit codes: 8 columns a register; a group's 8 registers
 //   of codes are shared by every row of the chunk. (Eight-bit codes keep their float
 //   products here: signed by signed bytes take twice the instructions, no faster than FMAs.)
+// - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
+//   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
+//   activation pair repeated; both lanes of a column are added once per group. Four-bit
+//   codes sum a group's 16 rows in 16 bits (at most 16 * 15 * 127), eight-bit ones two rows
+//   (2 * 128 * 127) before widening. Against float32 products over the decoded codes: fewer
+//   and narrower instructions per weight (SSE2 has no FMA).
 // The activations' rounding (~0.4% of the largest in a group) is of bfloat16's order; a
 // float32 model asked for by name keeps float32 products (engine.py).
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -22,12 +29,15 @@
 #include "convert.h"
 #include "quant_decode.h"
 #include "quant_kernels.h"
-
-#ifdef PAGEDSERVE_AVX2
+#include "vec.h"
 
 namespace {
 
 constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
+
+#ifdef PAGEDSERVE_AVX2
+
+using ActCode = uint8_t;  // the byte operand of vpmaddubsw / vpdpbusd
 
 inline float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -72,9 +82,31 @@ inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum)
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
 }
 
+#else  // portable
+
+using ActCode = int16_t;  // int8 values, widened once here rather than at every product
+
+// One group of 32 inputs -> 32 codes in input order (both code widths), its scale and sum.
+template <bool /*kNibbleOrder*/, typename T>
+inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum) {
+  float v[kGroup];
+  float top = 0.f, total = 0.f;
+  for (int j = 0; j < kGroup; ++j) {
+    v[j] = to_f(x[j]);
+    top = std::max(top, std::fabs(v[j]));
+    total += v[j];
+  }
+  *sum = total;
+  *scale = top / 127.f;
+  const float inv = top > 0.f ? 127.f / top : 0.f;
+  for (int j = 0; j < kGroup; ++j) codes[j] = static_cast<ActCode>(std::lrint(v[j] * inv));
+}
+
+#endif
+
 // Rows of x quantized per group.
 struct QuantizedRows {
-  const uint8_t* codes;  // [m, k]
+  const ActCode* codes;  // [m, k]
   const float* scale;    // [m, groups]
   const float* sum;      // [m, groups]
 
@@ -86,14 +118,14 @@ struct QuantizedRows {
 
 template <bool kNibbleOrder, typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
-  thread_local std::vector<uint8_t> codes_buf;  // plain memory: ~120 calls a step
+  thread_local std::vector<ActCode> codes_buf;  // plain memory: ~120 calls a step
   thread_local std::vector<float> scale_buf, sum_buf;
   const int64_t groups = k / kGroup;
   codes_buf.resize(m * k);
   scale_buf.resize(m * groups);
   sum_buf.resize(m * groups);
   // The pool's threads would see their own thread_local vectors: they get this one's memory.
-  uint8_t* codes = codes_buf.data();
+  ActCode* codes = codes_buf.data();
   float* scale = scale_buf.data();
   float* sum = sum_buf.data();
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
@@ -207,7 +239,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
   }
 }
 
-#else  // AVX2: vpmaddubsw
+#elif defined(PAGEDSERVE_AVX2)  // vpmaddubsw
 
 // The chunk's rows through column tiles [begin, end): per group and half tile (8 columns),
 // its codes as 8 registers of bytes (four quads, low and high nibbles), then every row's sums
@@ -263,6 +295,119 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
   }
 }
 
+
+#else  // portable
+
+// vec.h's 128-bit vectors: a tile row's 32 lanes (16 columns x an input pair) are kVecs of
+// them, 4 columns each. (At 256 bits GCC assembled broadcasts in memory without AVX.)
+constexpr int kVecs = 4;
+
+// Row r's activation pair (inputs 2r, 2r + 1 of a group) in every pair of 16-bit lanes.
+inline I16x8 pair_lanes(const ActCode* a, int r) {
+  int32_t p;
+  std::memcpy(&p, a + 2 * r, sizeof p);
+  return reinterpret_cast<I16x8>(I32x4{p, p, p, p});
+}
+
+// Per column (4 of them), its two lanes' sums added.
+inline I32x4 column_sums(I16x8 v) {
+  const I32x4 w = reinterpret_cast<I32x4>(v);
+  return low_halves(w) + high_halves(w);
+}
+
+// A group's integer sums, four-bit codes: acc[i][v] = row i's, columns [4v, 4v + 4).
+template <int R>
+inline void group_sums(const BlockFormat<4>& w, int64_t nt, int64_t g, const ActCode* a,
+                       int64_t k, I32x4 (&acc)[R][kVecs]) {
+  const uint8_t* c = w.tile(nt, g);
+  I16x8 sums[R][kVecs] = {};
+  for (int q = 0; q < 4; ++q) {
+    U16x8 words[kVecs];
+    std::memcpy(words, c + q * 64, sizeof words);
+    for (int n = 0; n < 4; ++n) {  // code row 4q + n: nibble n of every word
+      I16x8 codes[kVecs];
+      for (int v = 0; v < kVecs; ++v) {
+        codes[v] = reinterpret_cast<I16x8>((words[v] >> (4 * n)) & 0xF);
+      }
+      for (int i = 0; i < R; ++i) {
+        const I16x8 pair = pair_lanes(a + i * k, 4 * q + n);
+        for (int v = 0; v < kVecs; ++v) sums[i][v] += codes[v] * pair;
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = column_sums(sums[i][v]);
+  }
+}
+
+// Eight-bit codes: two rows' products summed in 16 bits, then widened.
+template <int R>
+inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const ActCode* a,
+                       int64_t k, I32x4 (&acc)[R][kVecs]) {
+  const uint8_t* c = w.tile(nt, g);
+  for (int i = 0; i < R; ++i) {
+    for (int v = 0; v < kVecs; ++v) acc[i][v] = I32x4{};
+  }
+  for (int r = 0; r < kTileRows; r += 2) {
+    I16x8 codes[2][kVecs];  // [row r or r + 1][vector]
+    for (int s = 0; s < 2; ++s) {
+      for (int v = 0; v < kVecs; ++v) {
+        I8x8 bytes;
+        std::memcpy(&bytes, c + (r + s) * 32 + v * 8, sizeof bytes);
+        codes[s][v] = __builtin_convertvector(bytes, I16x8);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      const I16x8 p0 = pair_lanes(a + i * k, r), p1 = pair_lanes(a + i * k, r + 1);
+      for (int v = 0; v < kVecs; ++v) {
+        acc[i][v] += column_sums(codes[0][v] * p0 + codes[1][v] * p1);
+      }
+    }
+  }
+}
+
+// Rows [0, R) of the quantized x times column tile nt, rounded into y (row stride n).
+template <int R, typename F, typename T>
+inline void tile_rows(const QuantizedRows& x, int64_t k, const F& w, int64_t nt,
+                      const float* bias, T* y, int64_t n) {
+  const int64_t groups = k / kGroup;
+  F32x4 out[R][kVecs] = {};
+  for (int64_t g = 0; g < groups; ++g) {
+    I32x4 acc[R][kVecs];
+    group_sums<R>(w, nt, g, x.codes + g * kGroup, k, acc);
+    float d[2][kTileCols], m[2][kTileCols];
+    w.group_scales(nt, g, d, m);
+    for (int v = 0; v < kVecs; ++v) {
+      F32x4 dv, mv;
+      std::memcpy(&dv, d[0] + 4 * v, sizeof dv);
+      std::memcpy(&mv, m[0] + 4 * v, sizeof mv);
+      for (int i = 0; i < R; ++i) {
+        const F32x4 dot = __builtin_convertvector(acc[i][v], F32x4);
+        out[i][v] += dot * (dv * x.scale[i * groups + g]) + mv * x.sum[i * groups + g];
+      }
+    }
+  }
+  for (int i = 0; i < R; ++i) {
+    float v[kTileCols];
+    std::memcpy(v, out[i], sizeof v);
+    store_out(y + i * n + nt * kTileCols, v, bias ? bias + nt * kTileCols : nullptr, kTileCols);
+  }
+}
+
+constexpr int64_t kPassRows = 4;  // more spill the 16-bit sums out of SSE2's 16 registers
+
+// A chunk's rows through column tiles [begin, end), kPassRows at a time.
+template <typename F, typename T>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, const float* bias,
+                 T* y, int64_t n, int64_t begin, int64_t end) {
+  for (int64_t nt = begin; nt < end; ++nt) {
+    for (int64_t i0 = 0; i0 < rows; i0 += kPassRows) {
+      PAGEDSERVE_ROWS_1_TO_4(std::min(kPassRows, rows - i0), tile_rows, x.rows_from(i0, k), k,
+                             w, nt, bias, y + i0 * n, n);
+    }
+  }
+}
+
 #endif
 
 }  // namespace
@@ -289,5 +434,3 @@ INSTANTIATE(BlockFormat<4>)
 #ifdef PAGEDSERVE_INT8_EIGHT_BIT
 INSTANTIATE(BlockFormat<8>)
 #endif
-
-#endif  // PAGEDSERVE_AVX2

@@ -2,8 +2,8 @@
 // decoded to float32 once per chunk of rows and multiplied by all of them.
 // - AVX2 and up: a thread decodes one tile (16 columns x 32 inputs) in L1 and multiplies every
 //   row of the chunk by it, six rows at a time in registers.
-// - Portable: strips of columns decoded to float32 (in parallel), each multiplied by torch's
-//   matmul, which beats any portable loop at this size.
+// - Portable: strips of columns decoded to float32, each multiplied by torch's matmul, which
+//   beats any portable loop at this size.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -80,27 +80,31 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& wt, const f
 template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& wt, const float* bias, T* y,
                       int64_t n) {
-  constexpr int64_t kStripCols = 256;
+  // Each thread decodes a strip into its own cache and multiplies it there (one thread per
+  // matmul): decoding in parallel and multiplying on every thread moved each strip between
+  // the cores' caches, and took 2-3 parallel regions a strip.
+  constexpr int64_t kStripCols = 128;
   const int64_t groups = k / kGroup;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, f32);
-  const at::Tensor w = at::empty({k, std::min(kStripCols, n)}, f32);
-  for (int64_t n0 = 0; n0 < n; n0 += kStripCols) {
-    const int64_t cols = std::min(kStripCols, n - n0);
+  at::parallel_for(0, (n + kStripCols - 1) / kStripCols, 1, [&](int64_t begin, int64_t end) {
+    const at::Tensor w = at::empty({k, kStripCols}, f32);
     float* wp = w.data_ptr<float>();
-    const int64_t ldw = w.size(1);
-    at::parallel_for(n0 / kTileCols, (n0 + cols) / kTileCols, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t nt = begin; nt < end; ++nt) {
+    for (int64_t strip = begin; strip < end; ++strip) {
+      const int64_t n0 = strip * kStripCols, cols = std::min(kStripCols, n - n0);
+      for (int64_t nt = n0 / kTileCols; nt < (n0 + cols) / kTileCols; ++nt) {
         for (int64_t g = 0; g < groups; ++g) {
-          decode_tile_f32(wt, nt, g, wp + g * kGroup * ldw + (nt * kTileCols - n0), ldw);
+          decode_tile_f32(wt, nt, g, wp + g * kGroup * kStripCols + (nt * kTileCols - n0),
+                          kStripCols);
         }
       }
-    });
-    const at::Tensor o = at::mm(xt, w.narrow(1, 0, cols));
-    for (int64_t i = 0; i < m; ++i) {
-      store_out(y + i * n + n0, o.data_ptr<float>() + i * cols, bias ? bias + n0 : nullptr, cols);
+      const at::Tensor o = at::mm(xt, w.narrow(1, 0, cols));
+      for (int64_t i = 0; i < m; ++i) {
+        store_out(y + i * n + n0, o.data_ptr<float>() + i * cols, bias ? bias + n0 : nullptr,
+                  cols);
+      }
     }
-  }
+  });
 }
 
 #endif  // PAGEDSERVE_AVX2

@@ -1,6 +1,8 @@
-// A float32 vector of the level's native width, through GCC's and Clang's vector extension
-// (any architecture): register-blocked loops written with it keep their accumulators in
-// registers, which plain loops over arrays did not (the compiler spilled them every step).
+// Vectors through GCC's and Clang's vector extension (any architecture): a float32 vector of
+// the level's native width, and the 128-bit vectors (SSE2's and NEON's baseline width) of the
+// portable quantized kernels. Register-blocked loops written with them keep their
+// accumulators in registers, which plain loops over arrays did not (the compiler spilled them
+// every step).
 #pragma once
 
 #include <cstdint>
@@ -25,3 +27,15 @@ inline VecF load_vec(const float* p) {
 }
 
 inline void store_vec(float* p, VecF v) { std::memcpy(p, &v, sizeof v); }
+
+typedef int8_t I8x8 __attribute__((vector_size(8)));
+typedef int16_t I16x8 __attribute__((vector_size(16)));
+typedef uint16_t U16x8 __attribute__((vector_size(16)));
+typedef int32_t I32x4 __attribute__((vector_size(16)));
+typedef float F32x4 __attribute__((vector_size(16)));
+
+// The low and the high 16-bit half of each 32-bit lane, sign-extended: of a packed tile row's
+// lane pairs (column c's inputs 2r and 2r + 1, quant_layout.h), the first input's and the
+// second's.
+inline I32x4 low_halves(I32x4 v) { return (v << 16) >> 16; }
+inline I32x4 high_halves(I32x4 v) { return v >> 16; }
