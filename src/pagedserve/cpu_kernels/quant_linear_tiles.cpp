@@ -7,6 +7,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "quant_decode.h"
 #include "quant_kernels.h"
@@ -82,26 +83,38 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& wt, const f
                       int64_t n) {
   // Each thread decodes a strip into its own cache and multiplies it there (one thread per
   // matmul): decoding in parallel and multiplying on every thread moved each strip between
-  // the cores' caches, and took 2-3 parallel regions a strip.
-  constexpr int64_t kStripCols = 128;
+  // the cores' caches, and took 2-3 parallel regions a strip. Strips of about 128 columns,
+  // as many for each thread.
+  const auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
+  const int64_t threads = at::get_num_threads(), tiles = n / kTileCols;
+  const int64_t strips = ceil_div(ceil_div(tiles, 8), threads) * threads;
+  const int64_t strip_cols = ceil_div(tiles, strips) * kTileCols;
   const int64_t groups = k / kGroup;
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, f32);
-  at::parallel_for(0, (n + kStripCols - 1) / kStripCols, 1, [&](int64_t begin, int64_t end) {
-    const at::Tensor w = at::empty({k, kStripCols}, f32);
+  at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
+    const at::Tensor w = at::empty({k, strip_cols}, f32);
     float* wp = w.data_ptr<float>();
     for (int64_t strip = begin; strip < end; ++strip) {
-      const int64_t n0 = strip * kStripCols, cols = std::min(kStripCols, n - n0);
+      const int64_t n0 = strip * strip_cols, cols = std::min(strip_cols, n - n0);
+      if (cols <= 0) break;
       for (int64_t nt = n0 / kTileCols; nt < (n0 + cols) / kTileCols; ++nt) {
         for (int64_t g = 0; g < groups; ++g) {
-          decode_tile_f32(wt, nt, g, wp + g * kGroup * kStripCols + (nt * kTileCols - n0),
-                          kStripCols);
+          decode_tile_f32(wt, nt, g, wp + g * kGroup * strip_cols + (nt * kTileCols - n0),
+                          strip_cols);
         }
       }
-      const at::Tensor o = at::mm(xt, w.narrow(1, 0, cols));
-      for (int64_t i = 0; i < m; ++i) {
-        store_out(y + i * n + n0, o.data_ptr<float>() + i * cols, bias ? bias + n0 : nullptr,
-                  cols);
+      const at::Tensor ws = w.narrow(1, 0, cols);
+      if constexpr (std::is_same_v<T, float>) {  // straight into y's columns
+        at::Tensor out = at::from_blob(y, {m, n}, f32).narrow(1, n0, cols);
+        at::mm_out(out, xt, ws);
+        if (bias) out.add_(at::from_blob(const_cast<float*>(bias) + n0, {cols}, f32));
+      } else {
+        const at::Tensor o = at::mm(xt, ws);
+        for (int64_t i = 0; i < m; ++i) {
+          store_out(y + i * n + n0, o.data_ptr<float>() + i * cols, bias ? bias + n0 : nullptr,
+                    cols);
+        }
       }
     }
   });
