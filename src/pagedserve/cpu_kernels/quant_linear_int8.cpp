@@ -295,7 +295,6 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
   }
 }
 
-
 #else  // portable
 
 // vec.h's 128-bit vectors: a tile row's 32 lanes (16 columns x an input pair) are kVecs of
