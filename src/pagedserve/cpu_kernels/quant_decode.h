@@ -253,55 +253,41 @@ inline void decode_tile_bf16(const BlockFormat<8>& w, int64_t nt, int64_t g, uin
 
 #endif  // PAGEDSERVE_AVX512_BF16
 
-// Portable, block types: one tile -> float32 weights at out[input * ldw + column], 4 columns
-// a vector: a 32-bit lane of a code row is one column's input pair (its halves).
-template <int Bits>
-inline void decode_tile_f32(const BlockFormat<Bits>& w, int64_t nt, int64_t g, float* out,
-                            int64_t ldw) {
+// Portable: one tile -> float32 weights at out[input * ldw + column], 4 columns a vector: a
+// 32-bit lane of a code row is one column's input pair (its halves; quant_layout.h).
+template <typename F>
+inline void decode_tile_f32(const F& w, int64_t nt, int64_t g, float* out, int64_t ldw) {
   float d[2][kTileCols], m[2][kTileCols];
   w.group_scales(nt, g, d, m);
-  F32x4 dv[4], mv[4];
-  std::memcpy(dv, d[0], sizeof dv);
-  std::memcpy(mv, m[0], sizeof mv);
+  F32x4 dv[2][4], mv[2][4];  // [half of the group's inputs][4 columns]
+  std::memcpy(dv, d, sizeof dv);
+  std::memcpy(mv, m, sizeof mv);
   const uint8_t* t = w.tile(nt, g);
   for (int r = 0; r < kTileRows; ++r) {
+    const int h = r / 8, q = r / 4, nibble = r % 4;  // inputs 2r, 2r + 1 lie in half h
     for (int v = 0; v < 4; ++v) {
       I32x4 pair[2];  // the codes of inputs 2r and 2r + 1
-      if constexpr (Bits == 4) {
-        I32x4 words;  // nibble r % 4 of each 16-bit word (quant_layout.h)
-        std::memcpy(&words, t + r / 4 * 64 + v * 16, sizeof words);
-        pair[0] = (words >> (4 * (r % 4))) & 0xF;
-        pair[1] = (words >> (16 + 4 * (r % 4))) & 0xF;
-      } else {
+      if constexpr (F::kBits == 8) {
         I8x8 bytes;
         std::memcpy(&bytes, t + r * 32 + v * 8, sizeof bytes);
         const I32x4 wide = reinterpret_cast<I32x4>(__builtin_convertvector(bytes, I16x8));
         pair[0] = low_halves(wide);
         pair[1] = high_halves(wide);
+      } else {
+        I32x4 words;  // nibble `nibble` of each 16-bit word of quad q
+        std::memcpy(&words, t + q * 64 + v * 16, sizeof words);
+        for (int p = 0; p < 2; ++p) pair[p] = (words >> (16 * p + 4 * nibble)) & 0xF;
+        if constexpr (F::kHighBits > 0) {  // quad q's high bits: high quad q / P, at bit B(q % P)
+          constexpr int kP = F::kQuadsPerHigh, kMask = (1 << F::kHighBits) - 1;
+          I32x4 high;
+          std::memcpy(&high, t + 256 + q / kP * 64 + v * 16, sizeof high);
+          const int at = 4 * nibble + F::kHighBits * (q % kP);
+          for (int p = 0; p < 2; ++p) pair[p] |= ((high >> (16 * p + at)) & kMask) << 4;
+        }
       }
       for (int p = 0; p < 2; ++p) {
-        const F32x4 f = __builtin_convertvector(pair[p], F32x4) * dv[v] + mv[v];
+        const F32x4 f = __builtin_convertvector(pair[p], F32x4) * dv[h][v] + mv[h][v];
         std::memcpy(out + (2 * r + p) * ldw + 4 * v, &f, sizeof f);
-      }
-    }
-  }
-}
-
-// Portable, K types: the same, code by code.
-template <typename F>
-inline void decode_tile_f32(const F& w, int64_t nt, int64_t g, float* out, int64_t ldw) {
-  float d[2][kTileCols], m[2][kTileCols];
-  w.group_scales(nt, g, d, m);
-  const uint8_t* t = w.tile(nt, g);
-  for (int r = 0; r < 16; ++r) {
-    const int h = r / 8;  // inputs 2r, 2r + 1 lie in half r / 8
-    float lane[32];
-#pragma omp simd
-    for (int j = 0; j < 32; ++j) lane[j] = static_cast<float>(F::code(t, r, j));
-    for (int p = 0; p < 2; ++p) {
-#pragma omp simd
-      for (int c = 0; c < kTileCols; ++c) {
-        out[(2 * r + p) * ldw + c] = lane[2 * c + p] * d[h][c] + m[h][c];
       }
     }
   }
