@@ -2,8 +2,8 @@
 // over the codes, scaled once per group (or half group, Q6_K):
 // sum(x * (c * d + m)) = d * sum(x * c) + m * sum(x). (The default, int8 products, is
 // quant_linear_int8.cpp's; these keep float32's rounding, for --dtype float32 and K types.)
-// From AVX2 on: the portable kernels multiply decoded strips at every row count
-// (quant_linear_tiles.cpp).
+// AVX2 and up only: the portable kernels multiply decoded strips at every row count
+// (quant_linear_tiles.cpp), faster than portable dot products even at one row.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
