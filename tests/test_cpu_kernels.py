@@ -99,6 +99,42 @@ def test_rotary_in_place_on_fused_qkv_views(dtype):
     assert torch.equal(v, v_before)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_write_kv_rounds_float32_rows_into_16_bit_pages(cache_dtype):
+    pool = Pool([40], 16, 64, cache_dtype)
+    k = torch.randn(3, NUM_KV_HEADS, 64) * 100
+    v = torch.randn(3, NUM_KV_HEADS, 64)
+    slots = pool.slots(0, 20, 23)
+    ops().write_kv_(k, v, pool.k, pool.v, torch.tensor(slots))
+    assert torch.equal(pool.k.view(-1, NUM_KV_HEADS, 64)[slots], k.to(cache_dtype))
+    assert torch.equal(pool.v.view(-1, NUM_KV_HEADS, 64)[slots], v.to(cache_dtype))
+
+
+def test_kv_kernels_refuse_a_cache_dtype_they_cannot_read():
+    pool = Pool([5], 16, 64, torch.float32)
+    k = torch.randn(1, NUM_KV_HEADS, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="a Float KV cache under BFloat16 activations"):
+        ops().write_kv_(k, k, pool.k, pool.v, torch.tensor(pool.slots(0, 4, 5)))
+    q = torch.randn(1, NUM_KV_HEADS, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="a Float KV cache under BFloat16 activations"):
+        ops().paged_decode_attention(q, pool.k, pool.v, pool.block_tables, torch.tensor([5]), 1.0)
+
+
+def test_float16_pages_widen_exactly():
+    """Every float16 value (subnormals, infinities, NaNs) read from a page: a one-token context
+    returns its value row times a probability of exactly 1."""
+    d, seqs = 64, 2**16 // (NUM_KV_HEADS * 64)
+    values = torch.arange(2**16, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    v_cache = values.view(seqs, 1, NUM_KV_HEADS, d)
+    k_cache = torch.zeros_like(v_cache)
+    q = torch.randn(seqs, NUM_KV_HEADS, d)
+    tables = torch.arange(seqs).view(seqs, 1)
+    out = ops().paged_decode_attention(q, k_cache, v_cache, tables, torch.ones(seqs).long(), 1.0)
+    torch.testing.assert_close(
+        out, v_cache.view(seqs, NUM_KV_HEADS, d).float(), rtol=0, atol=0, equal_nan=True
+    )
+
+
 def test_write_kv_skips_padding_slots():
     pool = Pool([5], 4, 16, torch.float32)
     kc, vc = pool.k.clone(), pool.v.clone()
@@ -112,25 +148,30 @@ def test_write_kv_skips_padding_slots():
     assert torch.equal(kc, pool.k)  # nothing else was written
 
 
-# (query heads per KV head, head_dim, dtype, page_size)
+# (query heads per KV head, head_dim, dtype, page_size, the pages' dtype)
+F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
 CASES = [
-    (1, 64, torch.float32, 16),
-    (3, 64, torch.bfloat16, 16),
-    (8, 128, torch.float32, 4),
-    (3, 128, torch.bfloat16, 32),
-    (8, 128, torch.bfloat16, 16),  # with AMX: the tile path for 16-token bf16 pages
-    (2, 64, torch.bfloat16, 16),
+    (1, 64, F32, 16, F32),
+    (3, 64, BF16, 16, BF16),
+    (8, 128, F32, 4, F32),
+    (3, 128, BF16, 32, BF16),
+    (8, 128, BF16, 16, BF16),  # with AMX: the tile path for 16-token bf16 pages
+    (2, 64, BF16, 16, BF16),
+    (3, 64, F32, 16, F16),  # float32 activations over float16 pages (auto on float32 CPUs)
+    (1, 128, F32, 4, F16),
+    (3, 64, F32, 16, BF16),
 ]
 
 
-@pytest.mark.parametrize(("group", "head_dim", "dtype", "page_size"), CASES)
-def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
+@pytest.mark.parametrize(("group", "head_dim", "dtype", "page_size", "cache_dtype"), CASES)
+def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size, cache_dtype):
     """A mixed step (decodes of lengths 1 to 200, partly filled pages, then prefill chunks with
-    and without cached context) through the fused CPU path and the SDPA path."""
+    and without cached context) through the fused CPU path and the SDPA path (which converts
+    the pages to the queries' dtype)."""
     # Nine decodes: with two threads, enough that the kernel hands out whole sequences.
     q_lens = [1, 1, 1, 1, 1, 1, 1, 1, 1, 9, 5]
     contexts = [1, 16, 17, 150, 33, 64, 5, 200, 31, 9, 40]
-    pool = Pool(contexts, page_size, head_dim, dtype)
+    pool = Pool(contexts, page_size, head_dim, cache_dtype)
     meta = make_meta(pool, q_lens, contexts)
     t = sum(q_lens)
     q = pool.randn(t, NUM_KV_HEADS * group, head_dim, dtype=dtype)
@@ -156,22 +197,24 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size):
 
 
 @pytest.mark.parametrize(
-    ("group", "head_dim", "dtype"),
+    ("group", "head_dim", "dtype", "cache_dtype"),
     [
-        (1, 64, torch.bfloat16),
-        (3, 64, torch.float32),
-        (8, 128, torch.bfloat16),
-        (2, 128, torch.float32),
-        (3, 80, torch.bfloat16),
+        (1, 64, BF16, BF16),
+        (3, 64, F32, F32),
+        (8, 128, BF16, BF16),
+        (2, 128, F32, F32),
+        (3, 80, BF16, BF16),
+        (3, 64, F32, F16),
+        (2, 128, F32, BF16),
     ],
 )
-def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype):
+def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype, cache_dtype):
     """Chunks of odd lengths (partial blocks of 16 queries and 32 keys), some after cached
     context, q as a view of one fused qkv output, keys and values from scattered pages; against
     SDPA over each chunk's gathered keys with a bottom-right causal mask."""
     lens = [1, 5, 16, 17, 33, 100, 147, 7, 40]
     contexts = [1, 5, 16, 17, 33, 100, 147, 70, 300]  # the last two after cached context
-    pool = Pool(contexts, 16, head_dim, dtype)
+    pool = Pool(contexts, 16, head_dim, cache_dtype)
     hq, t = NUM_KV_HEADS * group, sum(lens)
     qkv = pool.randn(t, (hq + 2 * NUM_KV_HEADS) * head_dim, dtype=dtype)
     q = qkv[:, : hq * head_dim].view(t, hq, head_dim)
@@ -184,7 +227,8 @@ def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype):
     )
     for i, (s, n, c) in enumerate(zip(starts, lens, contexts, strict=True)):
         keys, values = (
-            cache[tables[i]].flatten(0, 1)[:c].transpose(0, 1)[None] for cache in (pool.k, pool.v)
+            cache[tables[i]].flatten(0, 1)[:c].transpose(0, 1)[None].to(dtype)
+            for cache in (pool.k, pool.v)
         )
         mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]
         want = F.scaled_dot_product_attention(

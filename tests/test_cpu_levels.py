@@ -61,7 +61,12 @@ def test_default_model_at_each_level(level, expected):
     assert result["level"] == level
     assert [r["ids"] for r in result["float32"]] == expected
     agree = [agreeing_prefix(f, r) for f, r in zip(result["fast"], result["float32"], strict=True)]
-    print(f"{level} ({result['fast_dtype']}): tokens agreeing with float32 per prompt: {agree}")
+    # float32 activations keep 16-bit KV pages, bfloat16 ones their own dtype
+    assert result["fast_kv_dtype"] == {"float32": "float16"}.get(d := result["fast_dtype"], d)
+    print(
+        f"{level} ({result['fast_dtype']}, {result['fast_kv_dtype']} KV): tokens agreeing with"
+        f" float32 per prompt: {agree}"
+    )
 
 
 def main() -> None:
@@ -83,6 +88,7 @@ def main() -> None:
         "float32": exact,
         "fast": run(fast_llm),
         "fast_dtype": str(fast_llm.engine.dtype).removeprefix("torch."),
+        "fast_kv_dtype": str(fast_llm.engine.kv_dtype).removeprefix("torch."),
     }
     print(json.dumps(result))
 

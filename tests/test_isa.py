@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
-from pagedserve.engine import _pick_dtype
+from pagedserve.engine import _pick_dtype, _pick_kv_dtype
 
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
@@ -114,6 +115,41 @@ def test_cpu_dtype_auto_is_bfloat16_only_where_native(cpu, monkeypatch, info, ca
         with pytest.raises(ValueError, match="--dtype bfloat16 needs native bfloat16") as err:
             _pick_dtype("bfloat16", cpu_device)
         assert ("capped at avx2" if cap else "has no AVX512_BF16 or AMX-BF16") in str(err.value)
+
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("options", "dtype", "device", "kv"),
+    [
+        ({}, torch.float32, CPU, torch.float16),  # auto came out float32: llama.cpp's pages
+        ({"dtype": "float32"}, torch.float32, CPU, torch.float32),  # named: exact
+        ({}, torch.bfloat16, CPU, torch.bfloat16),
+        ({}, torch.bfloat16, CUDA, torch.bfloat16),
+        ({"attention_backend": "triton"}, torch.float32, CPU, torch.float32),
+        ({"dtype": "float32", "kv_cache_dtype": "float16"}, torch.float32, CPU, torch.float16),
+        ({"kv_cache_dtype": "bfloat16"}, torch.float32, CPU, torch.bfloat16),
+        ({"kv_cache_dtype": "float32"}, torch.float32, CPU, torch.float32),
+        ({"kv_cache_dtype": "bfloat16"}, torch.bfloat16, CUDA, torch.bfloat16),
+    ],
+)
+def test_kv_cache_dtype(options, dtype, device, kv):
+    assert _pick_kv_dtype(EngineConfig(**options), dtype, device) == kv
+
+
+@pytest.mark.parametrize(
+    ("options", "dtype", "device"),
+    [
+        ({"kv_cache_dtype": "float32"}, torch.bfloat16, CPU),
+        ({"kv_cache_dtype": "float16"}, torch.bfloat16, CPU),
+        ({"kv_cache_dtype": "float16"}, torch.bfloat16, CUDA),
+        ({"kv_cache_dtype": "float16", "attention_backend": "triton"}, torch.float32, CPU),
+    ],
+)
+def test_kv_cache_dtype_the_kernels_cannot_read_is_refused(options, dtype, device):
+    with pytest.raises(ValueError, match="float16 or bfloat16 under float32, read by the CPU"):
+        _pick_kv_dtype(EngineConfig(**options), dtype, device)
 
 
 def test_a_build_lock_left_by_a_killed_build_does_not_block_a_start():

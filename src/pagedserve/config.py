@@ -59,6 +59,14 @@ class EngineConfig:
     )
     device: str = _opt("auto", "Device: auto, cpu or cuda", choices=["auto", "cpu", "cuda"])
     block_size: int = _opt(16, "Tokens per KV cache page")
+    kv_cache_dtype: str = _opt(
+        "auto",
+        "KV cache dtype. auto: the model's dtype, except float16 on a CPU where --dtype auto"
+        " came out float32 (llama.cpp's default: twice the tokens in the pool, attention math"
+        " still in float32). Another dtype than the model's: float16 or bfloat16 under a"
+        " float32 model on CPU",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
     kv_cache_memory: str | None = _opt(
         None, "Bytes for the KV cache pool, e.g. 512MiB or 2GiB (CPU default: 512MiB)"
     )

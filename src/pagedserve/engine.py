@@ -121,6 +121,28 @@ def _pick_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
+def _pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV pages' dtype (EngineConfig.kv_cache_dtype's help). float16 pages under an
+    automatic float32 follow the rule of --dtype: auto is the fast choice, float32 named
+    explicitly the exact one (greedy output equal to transformers'). Pages of another dtype
+    than the activations' are read by the CPU kernels only (not by Triton's)."""
+    cpu_kernels = device.type == "cpu" and config.attention_backend != "triton"
+    if config.kv_cache_dtype == "auto":
+        fast_float32 = cpu_kernels and dtype == torch.float32 and config.dtype == "auto"
+        return torch.float16 if fast_float32 else dtype
+    kv = DTYPES[config.kv_cache_dtype]
+    if kv == dtype:
+        return kv
+    model = str(dtype).removeprefix("torch.")
+    if not cpu_kernels or dtype != torch.float32 or kv == torch.float32:
+        raise ValueError(
+            f"--kv-cache-dtype {config.kv_cache_dtype} under a {model} model: a KV cache of"
+            " another dtype than the model's is float16 or bfloat16 under float32, read by the"
+            " CPU attention kernels (use --kv-cache-dtype auto)"
+        )
+    return kv
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -128,6 +150,7 @@ class LLMEngine:
             torch.set_num_threads(config.num_threads)
         self.device = _pick_device(config.device)
         self.dtype = _pick_dtype(config.dtype, self.device)
+        self.kv_dtype = _pick_kv_dtype(config, self.dtype, self.device)
         self.source = ModelSource.resolve(config.model)
         self.model_config = cfg = load_config(self.source)
         if config.tensor_parallel_size > 1:
@@ -154,6 +177,7 @@ class LLMEngine:
             self.source,
             cfg,
             self.dtype,
+            self.kv_dtype,
             self.device.type,
             max_positions,
             keep_quant,
@@ -181,7 +205,7 @@ class LLMEngine:
             page_size,
             num_pages * page_size,
             num_pages * per_page / 2**20,
-            str(self.dtype).removeprefix("torch."),
+            str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
 

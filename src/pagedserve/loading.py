@@ -34,6 +34,7 @@ class LoadSpec:
     source: ModelSource
     model_config: ModelConfig
     dtype: torch.dtype
+    kv_dtype: torch.dtype  # the KV pages'
     device_type: str
     max_positions: int
     keep_quant: bool = False
@@ -63,13 +64,13 @@ def load_runner(spec: LoadSpec, device: torch.device, tp: TPGroup | None = None)
         tp=tp,
         int8_activations=spec.int8_activations,
     )
-    per_page = kv_bytes_per_page(local, config.block_size, dtype)
+    per_page = kv_bytes_per_page(local, config.block_size, spec.kv_dtype)
     num_pages = kv_budget_bytes(config, model, local, dtype, device) // per_page
     if tp is not None:
         num_pages = tp.min_int(num_pages)
     if num_pages < 1:
         raise ValueError("kv_cache_memory is too small for a single KV page")
-    return ModelRunner(model, local, backend, num_pages, config.block_size, dtype, device)
+    return ModelRunner(model, local, backend, num_pages, config.block_size, spec.kv_dtype, device)
 
 
 def kv_budget_bytes(

@@ -40,20 +40,20 @@ class ModelRunner:
         backend: AttentionBackend,
         num_pages: int,
         page_size: int,
-        dtype: torch.dtype,
+        kv_dtype: torch.dtype,
         device: torch.device,
     ):
         self.model, self.cfg, self.backend = model, cfg, backend
         self.page_size, self.device = page_size, device
         self.num_pages = num_pages
-        self.kv_bytes_per_page = kv_bytes_per_page(cfg, page_size, dtype)
+        self.kv_bytes_per_page = kv_bytes_per_page(cfg, page_size, kv_dtype)
         self.error: str | None = None  # one process cannot lose a peer
         # The batch rows, kept between steps (every tensor-parallel rank has its tables; only
         # rank 0 plans).
         self.planner, self.tables = RowPlanner(), BatchTables()
         shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [
-            (_zeros(shape, dtype, device), _zeros(shape, dtype, device))
+            (_zeros(shape, kv_dtype, device), _zeros(shape, kv_dtype, device))
             for _ in range(cfg.num_layers)
         ]
 

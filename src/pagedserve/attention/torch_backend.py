@@ -68,13 +68,16 @@ def group_by_length(pages: list[int], cost: int = _GROUP_COST_PAGES) -> list[lis
     return groups
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, pages] page ids -> [B, kv_heads, pages * page_size, head_dim]."""
+def _gather_pages(
+    cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """[B, pages] page ids -> [B, kv_heads, pages * page_size, head_dim] in `dtype` (the
+    queries'; the pages may hold another)."""
     b, n = block_tables.shape
     num_pages, page_size, kvh, d = cache.shape
     # index_select over whole pages copies rows with memcpy: 2.6x faster than cache[tables].
     rows = torch.index_select(cache.view(num_pages, -1), 0, block_tables.reshape(-1))
-    return rows.view(b, n * page_size, kvh, d).transpose(1, 2)
+    return rows.view(b, n * page_size, kvh, d).transpose(1, 2).to(dtype)
 
 
 class TorchAttentionBackend:
@@ -147,8 +150,8 @@ class TorchAttentionBackend:
                 if not plan.prefill_rows:
                     return decoded
         else:
-            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
-            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
+            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
 
         out = torch.empty_like(q)
         if decoded is not None:
@@ -156,8 +159,8 @@ class TorchAttentionBackend:
         for group in plan.decode_groups:
             qd = q[:nd] if group.rows is None else q[:nd].index_select(0, group.rows)
             qd = qd.view(-1, kvh, g, d)
-            kd = _gather_pages(k_cache, group.block_tables)
-            vd = _gather_pages(v_cache, group.block_tables)
+            kd = _gather_pages(k_cache, group.block_tables, q.dtype)
+            vd = _gather_pages(v_cache, group.block_tables, q.dtype)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=group.mask, scale=scale)
             od = od.reshape(-1, num_heads, d)
             if group.rows is None:
@@ -178,17 +181,19 @@ class TorchAttentionBackend:
             span = slice(nd + row.start, nd + row.start + row.q_len)
             qp = q[span].transpose(0, 1)[None]  # [1, H, q_len, d]
             if row.mask is None:  # no cached context: causal over its own K/V
-                if with_new_kv:
-                    kp, vp = k[span].transpose(0, 1)[None], v[span].transpose(0, 1)[None]
+                if with_new_kv:  # as the pages hold them: rounded to the cache's dtype
+                    kp, vp = (
+                        x[span].to(k_cache.dtype).to(q.dtype).transpose(0, 1)[None] for x in (k, v)
+                    )
                 else:
-                    kp = _gather_pages(k_cache, row.pages[None])[:, :, : row.q_len]
-                    vp = _gather_pages(v_cache, row.pages[None])[:, :, : row.q_len]
+                    kp = _gather_pages(k_cache, row.pages[None], q.dtype)[:, :, : row.q_len]
+                    vp = _gather_pages(v_cache, row.pages[None], q.dtype)[:, :, : row.q_len]
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True
                 )
             else:
-                kp = _gather_pages(k_cache, row.pages[None])
-                vp = _gather_pages(v_cache, row.pages[None])
+                kp = _gather_pages(k_cache, row.pages[None], q.dtype)
+                vp = _gather_pages(v_cache, row.pages[None], q.dtype)
                 op = F.scaled_dot_product_attention(
                     qp, kp, vp, attn_mask=row.mask, scale=scale, enable_gqa=True
                 )

@@ -45,10 +45,11 @@ inline void for_each_row(const T* cache, const int64_t* pages, int64_t n, int64_
 }
 
 // One (sequence, KV head) of decode attention: the g query heads that share the KV head are
-// served by one pass over its keys and one over its values. D is the head size when known at
-// compile time (fully unrolled loops), 0 for any other size.
-template <typename T, int64_t D>
-void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pages, int64_t n,
+// served by one pass over its keys and one over its values. T: the query's and output's type,
+// C: the cache's. D is the head size when known at compile time (fully unrolled loops), 0 for
+// any other size.
+template <typename T, typename C, int64_t D>
+void decode_unit(const T* q, const C* kc, const C* vc, T* out, const int64_t* pages, int64_t n,
                  int64_t page, int64_t hk, int64_t h, int64_t g, int64_t d_runtime, float scale,
                  std::vector<float>& qf, std::vector<float>& acc, std::vector<float>& scores) {
   const int64_t d = D ? D : d_runtime;
@@ -57,7 +58,7 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
   scores.resize(g * n);
   for (int64_t j = 0; j < g * d; ++j) qf[j] = to_f(q[j]) * scale;
   // Scores, then the weighted sum of values: one walk over the head's pages each.
-  for_each_row<T, D>(kc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
+  for_each_row<C, D>(kc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
     for (int64_t j = 0; j < g; ++j) {
       const float* qj = qf.data() + j * d;
       float dot = 0.f;
@@ -67,7 +68,7 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
     }
   });
   for (int64_t j = 0; j < g; ++j) softmax_(scores.data() + j * n, n);
-  for_each_row<T, D>(vc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
+  for_each_row<C, D>(vc, pages, n, page, hk, h, d, [&](int64_t t, const float* row) {
     for (int64_t j = 0; j < g; ++j) {
       const float p = scores[j * n + t];
       float* a = acc.data() + j * d;
@@ -79,8 +80,8 @@ void decode_unit(const T* q, const T* kc, const T* vc, T* out, const int64_t* pa
 }
 
 #ifdef PAGEDSERVE_AVX2
-// decode_unit with AVX2 intrinsics for float32 and bfloat16 caches, head sizes a multiple of
-// 32. The portable loops reduced every (token, head) dot product across lanes on its own and
+// decode_unit with AVX2 intrinsics (caches of float32, bfloat16 or float16), head sizes a
+// multiple of 32. The portable loops reduced every (token, head) dot product across lanes on its own and
 // copied each row before use: 16 GFLOP/s at batch 32 (a fifth of a decode step at avx2).
 // Here scores are summed over 4 tokens x up to 3 heads at once (12 accumulators; the query
 // rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
@@ -173,8 +174,8 @@ inline void unit_heads(const float* qf, int64_t d, int64_t n, const Keys& keys,
   for (int64_t c0 = 0; c0 < d; c0 += 32) unit_values<G>(scores, stride, n, values, c0, d, out);
 }
 
-template <typename T>
-void decode_unit_avx2(const T* q, const T* kc, const T* vc, T* out, const int64_t* pages,
+template <typename T, typename C>
+void decode_unit_avx2(const T* q, const C* kc, const C* vc, T* out, const int64_t* pages,
                       int64_t n, int64_t page, int64_t hk, int64_t h, int64_t g, int64_t d,
                       float scale, std::vector<float>& qf, std::vector<float>& scores,
                       std::vector<int64_t>& offsets) {
@@ -360,8 +361,11 @@ AmxUnitFn amx_unit_for(int64_t g) {
 }
 
 // The AMX unit for this shape, or nullptr where decode_unit serves.
-AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
-  if (dtype != at::kBFloat16 || page != 16 || !amx_available()) return nullptr;
+AmxUnitFn amx_unit(at::ScalarType cache_dtype, at::ScalarType dtype, int64_t page, int64_t d,
+                   int64_t g) {
+  if (dtype != at::kBFloat16 || cache_dtype != dtype || page != 16 || !amx_available()) {
+    return nullptr;
+  }
   return d == 64 ? amx_unit_for<64>(g) : d == 128 ? amx_unit_for<128>(g) : nullptr;
 }
 #endif
@@ -369,7 +373,8 @@ AmxUnitFn amx_unit(at::ScalarType dtype, int64_t page, int64_t d, int64_t g) {
 }  // namespace
 
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
-// q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D]; block_tables int64
+// q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D] of q's dtype, or 16-bit
+// under float32 q (dispatch_kv); block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache,
@@ -377,6 +382,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                      const at::Tensor& context_lens, double scale) {
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2), "decode attention: dense q heads");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && block_tables.is_contiguous());
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "decode attention: cache dtypes");
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
   TORCH_CHECK(d <= 256, "decode attention: head size above 256");
@@ -384,18 +390,19 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({b, hq, d}, q.options());
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
-  dispatch(q.scalar_type(), "decode_attn", [&](auto tag) {
+  dispatch_kv(q.scalar_type(), k_cache.scalar_type(), "decode_attn", [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     const scalar_t* qp = q.data_ptr<scalar_t>();
-    const scalar_t* kc = k_cache.data_ptr<scalar_t>();
-    const scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const cache_t* kc = k_cache.data_ptr<cache_t>();
+    const cache_t* vc = v_cache.data_ptr<cache_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t qs = q.stride(0);
-    const auto unit_fn = d == 64    ? decode_unit<scalar_t, 64>
-                         : d == 128 ? decode_unit<scalar_t, 128>
-                                    : decode_unit<scalar_t, 0>;
+    const auto unit_fn = d == 64    ? decode_unit<scalar_t, cache_t, 64>
+                         : d == 128 ? decode_unit<scalar_t, cache_t, 128>
+                                    : decode_unit<scalar_t, cache_t, 0>;
 #ifdef PAGEDSERVE_AMX
-    const AmxUnitFn amx_fn = amx_unit(q.scalar_type(), page, d, g);
+    const AmxUnitFn amx_fn = amx_unit(k_cache.scalar_type(), q.scalar_type(), page, d, g);
 #endif
     // Units (sequence, KV head) go longest context first to whichever thread is free: contexts
     // differ a lot (20-900 tokens in the serving benchmark), and an even split of the units
@@ -416,7 +423,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           const scalar_t* qu = qp + seq * qs + h * g * d;
           scalar_t* ou = op + (seq * hq + h * g) * d;
 #ifdef PAGEDSERVE_AMX
-          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                        std::is_same_v<cache_t, at::BFloat16>) {
             if (amx_fn != nullptr) {
               amx_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], hk, h,
                      static_cast<float>(scale), scores);
@@ -425,12 +433,10 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
           }
 #endif
 #ifdef PAGEDSERVE_AVX2
-          if constexpr (!std::is_same_v<scalar_t, at::Half>) {
-            if (d % 32 == 0) {
-              decode_unit_avx2(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h, g,
-                               d, static_cast<float>(scale), qf, scores, offsets);
-              continue;
-            }
+          if (d % 32 == 0) {
+            decode_unit_avx2(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h, g, d,
+                             static_cast<float>(scale), qf, scores, offsets);
+            continue;
           }
 #endif
           unit_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h, g, d,

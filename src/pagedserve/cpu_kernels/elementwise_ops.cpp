@@ -268,29 +268,41 @@ at::Tensor masked_logits(const at::Tensor& x, const at::Tensor& rows, const at::
 }
 
 // Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
-// [pages, page_size, Hk, D]; slot_mapping int64 [T] (flat page * page_size + offset, or -1 for
-// a token to skip).
+// [pages, page_size, Hk, D], converted to the caches' dtype (dispatch_kv's pairs); slot_mapping
+// int64 [T] (flat page * page_size + offset, or -1 for a token to skip).
 void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
               v.stride(1) == v.size(2), "write_kv: heads must be dense");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
-  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == v_cache.scalar_type());
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "write_kv: k and v of one dtype, their caches of one dtype");
   const int64_t t = k.size(0), row = k.size(1) * k.size(2);
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  const int64_t elem = k.element_size();
-  auto* kc = static_cast<char*>(k_cache.data_ptr());
-  auto* vc = static_cast<char*>(v_cache.data_ptr());
-  const auto* kp = static_cast<const char*>(k.data_ptr());
-  const auto* vp = static_cast<const char*>(v.data_ptr());
-  const int64_t ks = k.stride(0) * elem, vs = v.stride(0) * elem, bytes = row * elem;
-  // In parallel for prefill chunks: a 2048-token step wrote ~1.5 MB a layer on one thread,
-  // often to pages touched for the first time (faulted in as they are written).
-  at::parallel_for(0, t, kWriteGrain, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      if (slots[i] < 0) continue;  // a padding token
-      std::copy_n(kp + i * ks, bytes, kc + slots[i] * bytes);
-      std::copy_n(vp + i * vs, bytes, vc + slots[i] * bytes);
-    }
+  dispatch_kv(k.scalar_type(), k_cache.scalar_type(), "write_kv", [&](auto tag, auto cache_tag) {
+    using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
+    auto* kc = k_cache.data_ptr<cache_t>();
+    auto* vc = v_cache.data_ptr<cache_t>();
+    const auto* kp = k.data_ptr<scalar_t>();
+    const auto* vp = v.data_ptr<scalar_t>();
+    const int64_t ks = k.stride(0), vs = v.stride(0);
+    const auto copy_row = [row](const scalar_t* from, cache_t* to) {
+      if constexpr (std::is_same_v<scalar_t, cache_t>) {
+        std::copy_n(from, row, to);
+      } else {
+#pragma omp simd
+        for (int64_t j = 0; j < row; ++j) to[j] = from_f<cache_t>(from[j]);
+      }
+    };
+    // In parallel for prefill chunks: a 2048-token step wrote ~1.5 MB a layer on one thread,
+    // often to pages touched for the first time (faulted in as they are written).
+    at::parallel_for(0, t, kWriteGrain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        if (slots[i] < 0) continue;  // a padding token
+        copy_row(kp + i * ks, kc + slots[i] * row);
+        copy_row(vp + i * vs, vc + slots[i] * row);
+      }
+    });
   });
 }

@@ -62,15 +62,15 @@ inline float softmax_row(float* s, int64_t seen, int64_t padded) {
   return inv;
 }
 
-template <typename T>
-void unit_portable(const PrefillUnit<T>& u, Scratch& s) {
+template <typename T, typename C>
+void unit_portable(const PrefillUnit<T, C>& u, Scratch& s) {
   const int64_t d = u.d, n = u.n_keys, blocks = (n + kKeys - 1) / kKeys, ld = blocks * kKeys;
   s.keys.assign(blocks * d * kKeys, 0.f);
   s.values.resize(n * d);
   s.scores.resize(kRows * ld);
   for (int64_t t = 0; t < n; ++t) {
-    const T* kr = u.k.at(t);
-    const T* vr = u.v.at(t);
+    const C* kr = u.k.at(t);
+    const C* vr = u.v.at(t);
     float* kt = s.keys.data() + (t / kKeys) * d * kKeys + t % kKeys;
     float* vt = s.values.data() + t * d;
     for (int64_t dim = 0; dim < d; ++dim) kt[dim * kKeys] = to_f(kr[dim]);
@@ -139,9 +139,9 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                 "prefill attention: q and out [T, Hq, D] of one dtype with dense heads");
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache}) {
-    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == q.scalar_type() &&
+    TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == k_cache.scalar_type() &&
                     t->sizes() == k_cache.sizes() && t->size(3) == q.size(2),
-                "prefill attention: caches [pages, page_size, Hk, D] of q's dtype");
+                "prefill attention: caches [pages, page_size, Hk, D] of one dtype");
   }
   const int64_t chunks = static_cast<int64_t>(starts.size());
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "prefill attention: head counts");
@@ -162,11 +162,13 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
 #ifdef PAGEDSERVE_AMX
   const bool amx = prefill_unit_amx_supported(q);
 #endif
-  dispatch(q.scalar_type(), "prefill_attention", [&](auto tag) {
+  dispatch_kv(q.scalar_type(), k_cache.scalar_type(), "prefill_attention", [&](auto tag,
+                                                                               auto cache_tag) {
     using scalar_t = decltype(tag);
+    using cache_t = decltype(cache_tag);
     const auto* qp = q.data_ptr<scalar_t>();
-    const auto* kc = k_cache.data_ptr<scalar_t>();
-    const auto* vc = v_cache.data_ptr<scalar_t>();
+    const auto* kc = k_cache.data_ptr<cache_t>();
+    const auto* vc = v_cache.data_ptr<cache_t>();
     auto* op = out.data_ptr<scalar_t>();
     Claims claims(chunks * hk, 1);
     at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
@@ -174,7 +176,7 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
       for (int64_t begin, end; claims.next(begin, end);) {
         for (int64_t i = begin; i < end; ++i) {
           const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
-          const PrefillUnit<scalar_t> u{
+          const PrefillUnit<scalar_t, cache_t> u{
               qp + row * q.stride(0) + h * g * d,
               q.stride(0),
               {kc + h * d, tables + c * width, page, hk * d},
@@ -187,7 +189,8 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
               d,
               static_cast<float>(scale)};
 #ifdef PAGEDSERVE_AMX
-          if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+          if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                        std::is_same_v<cache_t, at::BFloat16>) {
             if (amx) {
               prefill_unit_amx(u);
               continue;

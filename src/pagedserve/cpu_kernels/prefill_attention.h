@@ -15,7 +15,8 @@ bool prefill_attention_supported(const at::Tensor& q);
 // out = causal attention of prefill chunks over their pages: chunk i's queries are rows
 // [starts[i], starts[i] + lens[i]) of q [T, Hq, D] (row-strided allowed, heads dense) and the
 // last lens[i] of its context_lens[i] tokens, whose keys and values (its own included) are in
-// k_cache and v_cache [pages, page_size, Hk, D] through block_tables [chunks, max_pages];
+// k_cache and v_cache [pages, page_size, Hk, D] (q's dtype, or 16-bit under float32 q)
+// through block_tables [chunks, max_pages];
 // out [T, Hq, D] likewise. Grouped-query heads share their KV head.
 void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& v_cache, at::Tensor& out,
@@ -36,12 +37,12 @@ struct PagedRows {
 
 // One unit of work: a chunk's q_len queries of the g query heads sharing one KV head (q: its
 // first row at the first of those heads; out likewise; strides in elements between tokens),
-// the last q_len of its n_keys tokens, whose keys and values are in the pages.
-template <typename T>
+// the last q_len of its n_keys tokens, whose keys and values are in the pages (of type C).
+template <typename T, typename C = T>
 struct PrefillUnit {
   const T* q;
   int64_t q_stride;
-  PagedRows<T> k, v;
+  PagedRows<C> k, v;
   T* out;
   int64_t out_stride, q_len, n_keys, g, d;
   float scale;
