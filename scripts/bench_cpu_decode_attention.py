@@ -27,7 +27,9 @@ def main() -> None:
     args = parser.parse_args()
     kernels = ops()
     print(f"kernel level {kernels.kernel_level()}, batch {args.batch}, ms per call:")
-    print("| context | " + " | ".join(f"{d} pages".removeprefix("torch.") for d in PAGE_DTYPES) + " |")
+    print(
+        "| context | " + " | ".join(f"{d} pages".removeprefix("torch.") for d in PAGE_DTYPES) + " |"
+    )
     print("|---:|" + "---:|" * len(PAGE_DTYPES))
     for context in map(int, args.contexts.split(",")):
         pages = -(-context // PAGE_SIZE)
