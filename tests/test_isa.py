@@ -134,8 +134,20 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         ({"kv_cache_dtype": "bfloat16"}, torch.bfloat16, CUDA, torch.bfloat16),
     ],
 )
-def test_kv_cache_dtype(options, dtype, device, kv):
+def test_kv_cache_dtype(cpu, monkeypatch, options, dtype, device, kv):
+    cpu(SAPPHIRE)
+    monkeypatch.setenv(isa.CAP_ENV, "avx2")
     assert _pick_kv_dtype(EngineConfig(**options), dtype, device) == kv
+
+
+def test_kv_cache_dtype_auto_is_bfloat16_under_float32_at_the_generic_level(cpu, monkeypatch):
+    """The portable kernels widen bfloat16 by a shift, float16 by bit operations."""
+    cpu(ZEN3)
+    for cap, kv in [("", torch.float16), ("generic", torch.bfloat16)]:
+        monkeypatch.setenv(isa.CAP_ENV, cap)
+        isa.kernel_level.cache_clear()
+        assert _pick_kv_dtype(EngineConfig(), torch.float32, CPU) == kv
+        assert _pick_kv_dtype(EngineConfig(dtype="float32"), torch.float32, CPU) == torch.float32
 
 
 @pytest.mark.parametrize(

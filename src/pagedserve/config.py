@@ -61,10 +61,11 @@ class EngineConfig:
     block_size: int = _opt(16, "Tokens per KV cache page")
     kv_cache_dtype: str = _opt(
         "auto",
-        "KV cache dtype. auto: the model's dtype, except float16 on a CPU where --dtype auto"
-        " came out float32 (llama.cpp's default: twice the tokens in the pool, attention math"
-        " still in float32). Another dtype than the model's: float16 or bfloat16 under a"
-        " float32 model on CPU",
+        "KV cache dtype. auto: the model's dtype, except 16-bit pages on a CPU where --dtype"
+        " auto came out float32 (twice the tokens in the pool, attention math still in"
+        " float32): float16 from the avx2 level on (llama.cpp's default), bfloat16 at the"
+        " generic level. Another dtype than the model's: float16 or bfloat16 under a float32"
+        " model on CPU",
         choices=["auto", "float32", "bfloat16", "float16"],
     )
     kv_cache_memory: str | None = _opt(
