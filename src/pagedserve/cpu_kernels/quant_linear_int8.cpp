@@ -157,10 +157,11 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w
       const __m512i lo = _mm512_and_si512(v, low);
       const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int i = 0; i < R; ++i) {
-        int32_t a[2];
-        std::memcpy(a, x.codes + i * k + g * kGroup + 8 * q, sizeof a);
-        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_set1_epi32(a[0]));
-        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_set1_epi32(a[1]));
+        // Two 4-byte loads, each broadcast from memory (a load port): one 8-byte load came
+        // out as a shift and a broadcast from a general register, on the port vpdpbusd needs.
+        const ActCode* a = x.codes + i * k + g * kGroup + 8 * q;
+        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_broadcastd_epi32(_mm_loadu_si32(a)));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)));
       }
     }
     const __m512 d = load_columns(w.scale(nt, g));
