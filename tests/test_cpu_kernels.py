@@ -157,6 +157,8 @@ CASES = [
     (3, 128, BF16, 32, BF16),
     (8, 128, BF16, 16, BF16),  # with AMX: the tile path for 16-token bf16 pages
     (2, 64, BF16, 16, BF16),
+    (4, 64, BF16, 4, BF16),  # with AVX-512 BF16: its unit, over pages of any size
+    (5, 64, BF16, 16, BF16),  # a head count without a bfloat16 unit: the AVX2 one
     (3, 64, F32, 16, F16),  # float32 activations over float16 pages (auto on float32 CPUs)
     (1, 128, F32, 4, F16),
     (3, 64, F32, 16, BF16),
