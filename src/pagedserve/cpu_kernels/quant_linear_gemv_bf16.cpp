@@ -147,9 +147,10 @@ void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half*
   }
   const float* xfp = xf.data();
   const float* sp = xsum.data();
-  for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
-    const int64_t chunk_end = std::min(m, m0 + kChunkRows);
-    at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+  // One parallel region, each thread's column tiles through every chunk (as int8_linear).
+  at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
+      const int64_t chunk_end = std::min(m, m0 + kChunkRows);
       for (int64_t nt = begin; nt < end; ++nt) {
         for (int64_t i0 = m0; i0 < chunk_end; i0 += kPassRows) {
           const int64_t rows = std::min(kPassRows, chunk_end - i0);
@@ -158,8 +159,8 @@ void gemv_bf16_linear(const at::Tensor& x, const uint8_t* codes, const at::Half*
                                  offsets, bias, y + i0 * n, n, bits, nt);
         }
       }
-    });
-  }
+    }
+  });
 }
 
 #endif  // PAGEDSERVE_AVX512_BF16
