@@ -1,0 +1,75 @@
+"""Packed block-type linears (Q4_1 and Q8_0: `ops().quant_linear`) at the default model's
+shapes, as a step calls them: the level's default dtype (bfloat16 where the CPU computes it
+natively, else float32) and int8 products over quantized activations; best of rounds, ms a
+call and GOP/s. Compare builds by running them alternately (this prints one build's figures).
+
+    [PAGEDSERVE_CPU_ISA=LEVEL] python scripts/bench_cpu_block_linear.py [--rows 1,32,512]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedserve.cpu_kernels import isa, ops
+from pagedserve.models.gguf_file import QuantWeight
+from pagedserve.models.quant_weight import PackedWeight
+
+# (name, outputs, inputs, bits): one layer's matrices and the Q8_0 lm_head.
+SHAPES = [
+    ("qkv", 960, 576, 4),
+    ("o", 576, 576, 4),
+    ("gate_up", 3072, 576, 4),
+    ("down", 576, 1536, 4),
+    ("lm_head", 49152, 576, 8),
+]
+
+
+def packed(n: int, k: int, bits: int, gen: torch.Generator) -> PackedWeight:
+    groups = k // 32
+    scales = torch.rand(n, groups, generator=gen) * 0.01
+    if bits == 4:
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
+        offsets = -torch.rand(n, groups, generator=gen) * 0.05
+        weight = PackedWeight.pack([QuantWeight(codes, scales, offsets, 4)])
+    else:
+        codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
+        weight = PackedWeight.pack([QuantWeight(codes.view(torch.uint8), scales, None, 8)])
+    weight.int8_activations = True
+    return weight
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", default="1,32,512", help="rows of x (tokens in the step)")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--calls", type=int, default=10, help="calls timed per round")
+    args = parser.parse_args()
+    kernels = ops()
+    dtype = torch.bfloat16 if isa.native_bf16() else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    weights = {name: (packed(n, k, bits, gen), n, k) for name, n, k, bits in SHAPES}
+    print(f"kernel level {kernels.kernel_level()}, {dtype} activations, ms a call (GOP/s):")
+    print("| rows | " + " | ".join(weights) + " |")
+    print("|---:|" + "---:|" * len(weights))
+    for rows in map(int, args.rows.split(",")):
+        cells = []
+        for weight, n, k in weights.values():
+            x = torch.randn(rows, k, generator=gen).to(dtype)
+            call_args = weight.kernel_args(None)
+            for _ in range(3):
+                kernels.quant_linear(x, *call_args)
+            best = float("inf")
+            for _ in range(args.rounds):
+                start = time.perf_counter()
+                for _ in range(args.calls):
+                    kernels.quant_linear(x, *call_args)
+                best = min(best, (time.perf_counter() - start) / args.calls)
+            cells.append(f"{best * 1e3:.3f} ({2 * rows * n * k / best / 1e9:.0f})")
+        print(f"| {rows} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
