@@ -1,0 +1,52 @@
+"""CPU prefill attention over the KV pages (`ops().prefill_attention_`) at the default model's
+shapes (9 query heads, 3 KV heads, head size 64, 16-token pages scattered over the pool): one
+layer of a prefill step of whole prompts, the level's default dtype, best of rounds, ms a call.
+
+    [PAGEDSERVE_CPU_ISA=LEVEL] python scripts/bench_cpu_prefill_attention.py [--prompts 16x128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from pagedserve.cpu_kernels import isa, ops
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", default="16x128,4x512", help="COUNTxTOKENS, comma-separated")
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--calls", type=int, default=5, help="calls timed per round")
+    args = parser.parse_args()
+    kernels = ops()
+    dtype = torch.bfloat16 if isa.native_bf16() else torch.float32
+    kv_dtype = dtype if dtype == torch.bfloat16 else torch.float16
+    print(f"kernel level {kernels.kernel_level()}, {dtype} queries, {kv_dtype} pages, ms a call:")
+    for spec in args.prompts.split(","):
+        count, tokens = map(int, spec.split("x"))
+        pages = -(-tokens // PAGE_SIZE)
+        tables = torch.randperm(2 * count * pages)[: count * pages].view(count, pages)
+        shape = (2 * count * pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+        k, v = torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype)
+        q = torch.randn(count * tokens, NUM_HEADS, HEAD_DIM).to(dtype)
+        out = torch.empty_like(q)
+        starts, lens = [i * tokens for i in range(count)], [tokens] * count
+        contexts = torch.full((count,), tokens)
+        best = float("inf")
+        for _ in range(args.rounds):
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                kernels.prefill_attention_(
+                    q, k, v, out, starts, lens, contexts, tables, HEAD_DIM**-0.5
+                )
+            best = min(best, (time.perf_counter() - start) / args.calls)
+        print(f"| {count} x {tokens} tokens | {best * 1e3:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
