@@ -1,6 +1,7 @@
 """CPU prefill attention over the KV pages (`ops().prefill_attention_`) at the default model's
 shapes (9 query heads, 3 KV heads, head size 64, 16-token pages scattered over the pool): one
-layer of a prefill step of whole prompts, the level's default dtype, best of rounds, ms a call.
+layer of a prefill step of whole prompts, the engine's default dtypes for this CPU and level
+(activations and KV pages), best of rounds, ms a call.
 
     [PAGEDSERVE_CPU_ISA=LEVEL] python scripts/bench_cpu_prefill_attention.py [--prompts 16x128]
 """
@@ -12,7 +13,9 @@ import time
 
 import torch
 
-from pagedserve.cpu_kernels import isa, ops
+from pagedserve.config import EngineConfig
+from pagedserve.cpu_kernels import ops
+from pagedserve.engine import _pick_dtype, _pick_kv_dtype
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 
@@ -23,9 +26,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=5, help="calls timed per round")
     args = parser.parse_args()
+    cpu = torch.device("cpu")
+    dtype = _pick_dtype("auto", cpu)
+    kv_dtype = _pick_kv_dtype(EngineConfig(), dtype, cpu)
     kernels = ops()
-    dtype = torch.bfloat16 if isa.native_bf16() else torch.float32
-    kv_dtype = dtype if dtype == torch.bfloat16 else torch.float16
     print(f"kernel level {kernels.kernel_level()}, {dtype} queries, {kv_dtype} pages, ms a call:")
     for spec in args.prompts.split(","):
         count, tokens = map(int, spec.split("x"))
