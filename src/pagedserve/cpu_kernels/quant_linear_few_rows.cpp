@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <vector>
 
+#include "claims.h"
 #include "quant_decode.h"
 #include "quant_kernels.h"
 
@@ -127,7 +128,7 @@ inline void dot_rows(const BlockFormat<8>& w, int64_t nt, const float* x, int64_
 
 }  // namespace
 
-// Threads split the column tiles; each tile is multiplied by up to four rows at a time.
+// Threads claim the column tiles; each tile is multiplied by up to four rows at a time.
 template <typename T, typename F>
 void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                      int64_t n) {
@@ -135,7 +136,8 @@ void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const flo
   const int64_t halves = k / kHalf;
   std::vector<float> xsum(m * halves, 0.f);  // x's sum over each half group (the offsets')
   for (int64_t i = 0; i < m * k; ++i) xsum[i / kHalf] += x[i];
-  at::parallel_for(0, n / kTileCols, 1, [&](int64_t begin, int64_t end) {
+  const int64_t tiles = n / kTileCols;
+  parallel_claims(tiles, tile_claim(tiles), [&](int64_t begin, int64_t end) {
     alignas(32) float out[kChunk * kTileCols];
     for (int64_t nt = begin; nt < end; ++nt) {
       for (int64_t i0 = 0; i0 < m; i0 += kChunk) {
