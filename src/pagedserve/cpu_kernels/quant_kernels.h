@@ -21,24 +21,24 @@ template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                       int64_t n);
 
-// Block types over x quantized to int8 per group (quant_linear_int8.cpp): four-bit codes at
-// every level, eight-bit ones with AVX-512 VNNI and in the portable kernels (AVX2 keeps their
-// float products).
-#if (defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)) || !defined(PAGEDSERVE_AVX2)
-#define PAGEDSERVE_INT8_EIGHT_BIT 1
-#endif
+// Block types over x quantized to int8 per group (quant_linear_int8.cpp), at every level.
 template <typename F>
-constexpr bool kInt8Codes = std::is_same_v<F, BlockFormat<4>>
-#ifdef PAGEDSERVE_INT8_EIGHT_BIT
-                            || std::is_same_v<F, BlockFormat<8>>
-#endif
-    ;
+constexpr bool kInt8Codes =
+    std::is_same_v<F, BlockFormat<4>> || std::is_same_v<F, BlockFormat<8>>;
 // Rows the integer products take: every count from AVX2 on; the portable ones up to 4 (beyond
 // that torch's matmul over decoded strips, many_rows_linear, is as fast or faster).
 #ifdef PAGEDSERVE_AVX2
 constexpr int64_t kInt8MaxRows = INT64_MAX;
 #else
 constexpr int64_t kInt8MaxRows = 4;
+#endif
+// Eight-bit codes without VNNI (AVX2's sign flips cost an instruction a product) take them from
+// 2 rows on (1.3-2.7x the float32 dot products at 2-8 rows of the Q8_0 lm_head, on Zen 3); one
+// row is bound by reading the codes either way.
+#if defined(PAGEDSERVE_AVX2) && !(defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__))
+constexpr int64_t kInt8EightBitMinRows = 2;
+#else
+constexpr int64_t kInt8EightBitMinRows = 1;
 #endif
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,

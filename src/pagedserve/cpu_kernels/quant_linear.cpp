@@ -4,8 +4,8 @@
 // (4-7x fewer than float32). The kernels by regime:
 // - int8_activations (the default but for an explicit float32 model): block types in integer
 //   products over activations quantized per group (quant_linear_int8.cpp) where the level has
-//   them for the codes and the row count (kInt8MaxRows), except bf16 steps of over
-//   kInt8MaxAmxRows rows where AMX has tiles;
+//   them for the codes and the row count (kInt8MaxRows, kInt8EightBitMinRows), except bf16
+//   steps of over kInt8MaxAmxRows rows where AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
 //   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
 //   where not; more rows of block types, and K types past a few rows, AMX tiles
@@ -61,6 +61,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   const at::Tensor a = x.contiguous();
   if constexpr (kInt8Codes<F>) {
     if (int8_activations && m <= kInt8MaxRows &&
+        (F::kBits == 4 || m >= kInt8EightBitMinRows) &&
         !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
       if (bf16) {
         int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);

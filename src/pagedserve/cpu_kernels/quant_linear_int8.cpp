@@ -7,9 +7,10 @@
 //   kPassRows rows kept in registers over a whole column tile. vpdpbusd multiplies unsigned
 //   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
 //   a + 128 is, and 128 * sum(c) comes off each group's sum.
-// - AVX2 (vpmaddubsw, vpmaddwd), four-bit codes: 8 columns a register; a group's 8 registers
-//   of codes are shared by every row of the chunk. (Eight-bit codes keep their float
-//   products here: signed by signed bytes take twice the instructions, no faster than FMAs.)
+// - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes are
+//   shared by every row of the chunk. Eight-bit codes are signed: |c| times a with c's sign
+//   (vpsignb), each product pair widened at once; from kInt8EightBitMinRows rows on
+//   (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
 //   activation pair repeated; both lanes of a column are added once per group. Four-bit
@@ -23,7 +24,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#include <type_traits>
 #include <vector>
 
 #include "claims.h"
@@ -54,7 +54,7 @@ inline float reduce_max(__m256 v) {
 // One group of 32 inputs -> 32 int8 codes, its scale and exact sum. Four-bit codes' order
 // (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
 // column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
-// ones. Eight-bit codes': inputs in order, a + 128 (unsigned).
+// ones. Eight-bit codes': inputs in order, a + 128 (unsigned) for vpdpbusd, a for vpsignb.
 template <bool kNibbleOrder, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
@@ -79,7 +79,9 @@ inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum)
   // then their last four; the same permutation puts each block's two together.
   __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
   if constexpr (!kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+#endif
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
 }
 
@@ -246,10 +248,9 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 // The chunk's rows through column tiles [begin, end): per group and half tile (8 columns),
 // its codes as 8 registers of bytes (four quads, low and high nibbles), then every row's sums
 // over them; the row sums of a tile stay in L1 (acc).
-template <typename F, typename T>
-void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, const float* bias,
-                 T* y, int64_t n, int64_t begin, int64_t end) {
-  static_assert(std::is_same_v<F, BlockFormat<4>>, "AVX2's integer products: four-bit codes");
+template <typename T>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFormat<4>& w,
+                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
   const int64_t groups = k / kGroup;
   const __m256i low = _mm256_set1_epi8(0x0F);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -293,6 +294,70 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
     for (int64_t i = 0; i < rows; ++i) {
       store_out(y + i * n + nt * kTileCols, acc + i * kTileCols,
                 bias ? bias + nt * kTileCols : nullptr, kTileCols);
+    }
+  }
+}
+
+// Eight-bit codes. A tile's code rows 2s and 2s + 1 hold inputs 4s..4s + 3 of every column as
+// 16-bit pairs; interleaved by words they put each column's four in one 32-bit lane, columns
+// 0-3 and 8-11 in one register (h = 0), 4-7 and 12-15 in the other (h = 1): acc keeps that
+// order until the store. Per row, group and h: 8 sign flips, 8 vpmaddubsw (a pair at most
+// 2 * 128 * 127, so no 16-bit sums) and 8 vpmaddwd.
+template <typename T>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFormat<8>& w,
+                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
+  const int64_t groups = k / kGroup;
+  const __m256i ones = _mm256_set1_epi16(1);
+  alignas(32) float acc[kChunkRows * kTileCols];
+  alignas(32) int8_t signs[8][32];  // the codes, vpsignb's memory operand (registers are few)
+  for (int64_t nt = begin; nt < end; ++nt) {
+    std::fill(acc, acc + rows * kTileCols, 0.f);
+    for (int64_t g = 0; g < groups; ++g) {
+      const uint8_t* c = w.tile(nt, g);
+      const at::Half* scale = w.scale(nt, g);
+      for (int h = 0; h < 2; ++h) {
+        __m256i size[8];  // |code|, the unsigned operand
+        for (int s = 0; s < 8; ++s) {
+          const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * s));
+          const __m256i r1 =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 64 * s + 32));
+          const __m256i v = h ? _mm256_unpackhi_epi16(r0, r1) : _mm256_unpacklo_epi16(r0, r1);
+          _mm256_store_si256(reinterpret_cast<__m256i*>(signs[s]), v);
+          size[s] = _mm256_abs_epi8(v);
+        }
+        const __m128i halves = _mm_unpacklo_epi64(
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 4 * h)),
+            _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 8 + 4 * h)));
+        const __m256 d = _mm256_cvtph_ps(halves);
+        for (int64_t i = 0; i < rows; ++i) {
+          const uint8_t* a = x.codes + i * k + g * kGroup;
+          const auto product = [&](int s) {  // 4 inputs x 8 columns, summed per column
+            int32_t pick;
+            std::memcpy(&pick, a + 4 * s, sizeof pick);
+            const __m256i sign = _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[s]));
+            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(pick), sign);
+            return _mm256_madd_epi16(_mm256_maddubs_epi16(size[s], signed_a), ones);
+          };
+          // Summed in pairs as they come: the 8 codes' registers leave few for products.
+          __m256i dot = _mm256_add_epi32(product(0), product(1));
+          for (int s = 2; s < 8; s += 2) {
+            dot = _mm256_add_epi32(dot, _mm256_add_epi32(product(s), product(s + 1)));
+          }
+          const __m256 ds = _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i * groups + g]));
+          float* o = acc + i * kTileCols + h * 8;
+          _mm256_store_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), ds, _mm256_load_ps(o)));
+        }
+      }
+    }
+    for (int64_t i = 0; i < rows; ++i) {
+      const float* o = acc + i * kTileCols;
+      alignas(32) float v[kTileCols];  // columns back in order
+      std::memcpy(v, o, 4 * sizeof(float));
+      std::memcpy(v + 8, o + 4, 4 * sizeof(float));
+      std::memcpy(v + 4, o + 8, 4 * sizeof(float));
+      std::memcpy(v + 12, o + 12, 4 * sizeof(float));
+      store_out(y + i * n + nt * kTileCols, v, bias ? bias + nt * kTileCols : nullptr,
+                kTileCols);
     }
   }
 }
@@ -434,6 +499,4 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
   template void int8_linear<at::BFloat16, F>(const at::BFloat16*, int64_t, int64_t, const F&, \
                                              const float*, at::BFloat16*, int64_t);
 INSTANTIATE(BlockFormat<4>)
-#ifdef PAGEDSERVE_INT8_EIGHT_BIT
 INSTANTIATE(BlockFormat<8>)
-#endif
