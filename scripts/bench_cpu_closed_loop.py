@@ -13,8 +13,8 @@ import collections
 import time
 
 from pagedserve.bench.serve_prompts import load_dataset
-from pagedserve.cpu_kernels import isa
 from pagedserve.config import EngineConfig
+from pagedserve.cpu_kernels import isa
 from pagedserve.engine import LLMEngine
 from pagedserve.sampling_params import SamplingParams
 
