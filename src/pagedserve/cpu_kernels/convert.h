@@ -3,7 +3,8 @@
 // the compiler vectorizes at every level.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>

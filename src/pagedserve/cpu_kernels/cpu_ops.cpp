@@ -2,7 +2,10 @@
 // (isa.py): the portable loops of the kernels are written so that the compiler vectorizes them
 // at every level; fast-math allows that, so no kernel relies on infinities or NaN. Parallel
 // loops use torch's own thread pool (at::parallel_for), so they share its threads.
-#include <torch/extension.h>
+// Headers: the narrowest that declare what a file uses (pybind11's tensor casters here, not
+// torch/extension.h; in the kernels ATen/core/Tensor.h, outputs by Tensor::new_empty, not
+// ATen/ATen.h): parsing torch's umbrella headers was half of a level's build time.
+#include <torch/csrc/utils/pybind.h>
 
 #include <string>
 

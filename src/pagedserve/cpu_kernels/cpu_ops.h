@@ -3,7 +3,7 @@
 // one-call decode layer (decode_layer.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <tuple>
 

@@ -506,7 +506,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
   TORCH_CHECK(d <= 256, "decode attention: head size above 256");
   const int64_t width = block_tables.size(1);
-  auto out = at::empty({b, hq, d}, q.options());
+  auto out = q.new_empty({b, hq, d});
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   dispatch_kv(q.scalar_type(), k_cache.scalar_type(), "decode_attn", [&](auto tag, auto cache_tag) {

@@ -48,7 +48,7 @@ void rms_norm_rows(T* out, const T* in, const T* w, int64_t rows, int64_t h,
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "rms_norm: x must be [T, H] with dense rows");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && weight.is_contiguous());
-  auto out = at::empty(x.sizes(), x.options());
+  auto out = x.new_empty(x.sizes());
   dispatch(x.scalar_type(), "rms_norm", [&](auto tag) {
     using scalar_t = decltype(tag);
     rms_norm_rows<scalar_t>(out.data_ptr<scalar_t>(), x.data_ptr<scalar_t>(),
@@ -120,7 +120,7 @@ void rotary_(at::Tensor& q, at::Tensor& k, const at::Tensor& positions,
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0);
   const int64_t rows = x.size(0), inter = x.size(1) / 2;
-  auto out = at::empty({rows, inter}, x.options());
+  auto out = x.new_empty({rows, inter});
   dispatch(x.scalar_type(), "silu_and_mul", [&](auto tag) {
     using scalar_t = decltype(tag);
     const scalar_t* xp = x.data_ptr<scalar_t>();
@@ -149,7 +149,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "argmax_rows: x [B, V]");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = at::empty({rows}, x.options().dtype(at::kLong));
+  auto out = x.new_empty({rows}, x.options().dtype(at::kLong));
   int64_t* idx = out.data_ptr<int64_t>();
   dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);
@@ -223,7 +223,7 @@ at::Tensor masked_logits(const at::Tensor& x, const at::Tensor& rows, const at::
     TORCH_CHECK(rp[k] >= 0 && rp[k] < batch, "masked_logits: row out of range");
     mask_of[rp[k]] = k;
   }
-  auto out = at::empty({batch, n}, x.options());
+  auto out = x.new_empty({batch, n});
   const auto* words = reinterpret_cast<const uint32_t*>(bits.data_ptr<int32_t>());
   dispatch(x.scalar_type(), "masked_logits", [&](auto tag) {
     using scalar_t = decltype(tag);

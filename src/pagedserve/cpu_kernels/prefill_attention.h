@@ -2,7 +2,7 @@
 // prefill_attention_amx.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <vector>

@@ -2,7 +2,7 @@
 // (quant_layout.h) by the regime of the step's size. quant_linear.cpp chooses among them.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <type_traits>
 

@@ -22,7 +22,7 @@
 //   halves of 16 inputs (Q6_K: weight = (code - 32) * d * scale).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <cstring>

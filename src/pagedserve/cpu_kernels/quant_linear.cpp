@@ -55,7 +55,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   TORCH_CHECK(n % (2 * kTileCols) == 0, "quant_linear: output size must be a multiple of 32");
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  auto y = at::empty({m, n}, x.options());
+  auto y = x.new_empty({m, n});
   if (m == 0) return y;
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor a = x.contiguous();
@@ -178,7 +178,7 @@ at::Tensor rows_of(const at::Tensor& ids, int64_t n, int64_t k, at::ScalarType d
                    const std::function<void(const int64_t*, int64_t, void*)>& lookup) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids int64 [M]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_rows: float32 or bf16 rows");
-  auto out = at::empty({ids.size(0), k}, ids.options().dtype(dtype));
+  auto out = ids.new_empty({ids.size(0), k}, ids.options().dtype(dtype));
   lookup(ids.data_ptr<int64_t>(), ids.size(0), out.data_ptr());
   return out;
 }

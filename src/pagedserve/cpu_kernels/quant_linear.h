@@ -1,7 +1,7 @@
 // Products with GGUF's quantized weights, packed as quant_layout.h describes (quant_linear.cpp).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 // y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
 // and the bias float32 or bf16 (x's dtype). With `int8_activations`, W multiplies x quantized to

@@ -5,6 +5,8 @@
 // - Portable: strips of columns decoded to float32, each multiplied by torch's matmul, which
 //   beats any portable loop at this size.
 #include <ATen/Parallel.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
 
 #include <algorithm>
 #include <type_traits>
@@ -95,7 +97,7 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& wt, const f
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   const at::Tensor xt = at::from_blob(const_cast<float*>(x), {m, k}, f32);
   at::parallel_for(0, strips, 1, [&](int64_t begin, int64_t end) {
-    const at::Tensor w = at::empty({k, strip_cols}, f32);
+    const at::Tensor w = xt.new_empty({k, strip_cols});
     float* wp = w.data_ptr<float>();
     for (int64_t strip = begin; strip < end; ++strip) {
       const int64_t n0 = strip * strip_cols, cols = std::min(strip_cols, n - n0);
