@@ -53,7 +53,9 @@ void parallel_claims(int64_t count, int64_t chunk, const Fn& fn) {
   });
 }
 
-// Column tiles a claim: about an eighth of a thread's even share.
-inline int64_t tile_claim(int64_t tiles) {
-  return std::max<int64_t>(1, tiles / (8 * at::get_num_threads()));
+// fn(begin, end) over a linear's column tiles [0, tiles), about an eighth of a thread's even
+// share a claim.
+template <typename Fn>
+void parallel_tiles(int64_t tiles, const Fn& fn) {
+  parallel_claims(tiles, std::max<int64_t>(1, tiles / (8 * at::get_num_threads())), fn);
 }

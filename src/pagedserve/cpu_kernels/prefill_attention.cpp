@@ -170,36 +170,31 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
     const auto* kc = k_cache.data_ptr<cache_t>();
     const auto* vc = v_cache.data_ptr<cache_t>();
     auto* op = out.data_ptr<scalar_t>();
-    Claims claims(chunks * hk, 1);
-    at::parallel_for(0, claims.threads(), 1, [&](int64_t, int64_t) {
+    parallel_claims(chunks * hk, 1, [&](int64_t i, int64_t) {  // a unit a claim
       thread_local Scratch scratch;
-      for (int64_t begin, end; claims.next(begin, end);) {
-        for (int64_t i = begin; i < end; ++i) {
-          const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
-          const PrefillUnit<scalar_t, cache_t> u{
-              qp + row * q.stride(0) + h * g * d,
-              q.stride(0),
-              {kc + h * d, tables + c * width, page, hk * d},
-              {vc + h * d, tables + c * width, page, hk * d},
-              op + row * out.stride(0) + h * g * d,
-              out.stride(0),
-              lens[c],
-              contexts[c],
-              g,
-              d,
-              static_cast<float>(scale)};
+      const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
+      const PrefillUnit<scalar_t, cache_t> u{
+          qp + row * q.stride(0) + h * g * d,
+          q.stride(0),
+          {kc + h * d, tables + c * width, page, hk * d},
+          {vc + h * d, tables + c * width, page, hk * d},
+          op + row * out.stride(0) + h * g * d,
+          out.stride(0),
+          lens[c],
+          contexts[c],
+          g,
+          d,
+          static_cast<float>(scale)};
 #ifdef PAGEDSERVE_AMX
-          if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
-                        std::is_same_v<cache_t, at::BFloat16>) {
-            if (amx) {
-              prefill_unit_amx(u);
-              continue;
-            }
-          }
-#endif
-          unit_portable(u, scratch);
+      if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
+                    std::is_same_v<cache_t, at::BFloat16>) {
+        if (amx) {
+          prefill_unit_amx(u);
+          return;
         }
       }
+#endif
+      unit_portable(u, scratch);
     });
   });
 }

@@ -136,8 +136,7 @@ void few_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const flo
   const int64_t halves = k / kHalf;
   std::vector<float> xsum(m * halves, 0.f);  // x's sum over each half group (the offsets')
   for (int64_t i = 0; i < m * k; ++i) xsum[i / kHalf] += x[i];
-  const int64_t tiles = n / kTileCols;
-  parallel_claims(tiles, tile_claim(tiles), [&](int64_t begin, int64_t end) {
+  parallel_tiles(n / kTileCols, [&](int64_t begin, int64_t end) {
     alignas(32) float out[kChunk * kTileCols];
     for (int64_t nt = begin; nt < end; ++nt) {
       for (int64_t i0 = 0; i0 < m; i0 += kChunk) {

@@ -484,8 +484,7 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
   const QuantizedRows q = quantize_rows<F::kBits == 4>(x, m, k);
   // Each thread takes its column tiles through every chunk of rows: one parallel region, not
   // one a chunk (a 2048-token prefill step met ~4,000 barriers).
-  const int64_t tiles = n / kTileCols;
-  parallel_claims(tiles, tile_claim(tiles), [&](int64_t begin, int64_t end) {
+  parallel_tiles(n / kTileCols, [&](int64_t begin, int64_t end) {
     for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
       chunk_tiles(q.rows_from(m0, k), std::min(kChunkRows, m - m0), k, w, bias, y + m0 * n, n,
                   begin, end);

@@ -49,8 +49,7 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& wt, const f
   constexpr int kBlock = 6;  // rows a multiply_tile: 12 accumulators in registers
   constexpr int64_t kChunkRows = 64;  // sums of a chunk: 4 KB, in L1 beside the tile
   const int64_t groups = k / kGroup;
-  const int64_t tiles = n / kTileCols;
-  parallel_claims(tiles, tile_claim(tiles), [&](int64_t begin, int64_t end) {
+  parallel_tiles(n / kTileCols, [&](int64_t begin, int64_t end) {
     alignas(32) float w[kGroup * kTileCols];
     alignas(32) float acc[kChunkRows * kTileCols];
     for (int64_t nt = begin; nt < end; ++nt) {
