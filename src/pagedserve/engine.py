@@ -7,6 +7,7 @@ engine's thread.
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from dataclasses import dataclass, field
@@ -212,6 +213,10 @@ class LLMEngine:
             str(self.kv_dtype).removeprefix("torch."),
             self.max_model_len,
         )
+        # What is loaded lives as long as the engine: out of the collector's sight, a full
+        # collection (~210k objects, ~50 ms with the engine thread holding the GIL) stops
+        # pausing steps every few seconds. Refcounting still frees these objects.
+        gc.freeze()
 
     @property
     def model_name(self) -> str:
