@@ -149,7 +149,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 at::Tensor argmax_rows(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1 && x.size(1) > 0, "argmax_rows: x [B, V]");
   const int64_t rows = x.size(0), n = x.size(1);
-  auto out = x.new_empty({rows}, x.options().dtype(at::kLong));
+  auto out = x.new_empty({rows}, at::kLong);
   int64_t* idx = out.data_ptr<int64_t>();
   dispatch(x.scalar_type(), "argmax_rows", [&](auto tag) {
     using scalar_t = decltype(tag);

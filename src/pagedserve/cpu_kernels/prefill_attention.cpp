@@ -11,8 +11,6 @@
 // the keys it sees, and P V in blocks of kRows queries x 16 dims.
 #include "prefill_attention.h"
 
-#include <ATen/Parallel.h>
-
 #include <algorithm>
 #include <cmath>
 

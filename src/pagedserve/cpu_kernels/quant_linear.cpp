@@ -178,7 +178,7 @@ at::Tensor rows_of(const at::Tensor& ids, int64_t n, int64_t k, at::ScalarType d
                    const std::function<void(const int64_t*, int64_t, void*)>& lookup) {
   TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "quant_rows: ids int64 [M]");
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_rows: float32 or bf16 rows");
-  auto out = ids.new_empty({ids.size(0), k}, ids.options().dtype(dtype));
+  auto out = ids.new_empty({ids.size(0), k}, dtype);
   lookup(ids.data_ptr<int64_t>(), ids.size(0), out.data_ptr());
   return out;
 }
