@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.int8_pages import to_cache
 
 NUM_KV_HEADS = 2
 
@@ -26,8 +27,8 @@ class Pool:
         self.block_tables = torch.tensor([t + [0] * (width - len(t)) for t in self.tables])
         shape = (num_pages, page_size, NUM_KV_HEADS, head_dim)
         # Random data everywhere, stale slots included: masking must ignore them.
-        self.k = torch.randn(shape, generator=self.gen).to(dtype)
-        self.v = torch.randn(shape, generator=self.gen).to(dtype)
+        self.k = to_cache(torch.randn(shape, generator=self.gen), dtype)
+        self.v = to_cache(torch.randn(shape, generator=self.gen), dtype)
 
     def slots(self, seq: int, start: int, stop: int) -> list[int]:
         ps = self.page_size

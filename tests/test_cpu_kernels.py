@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from paged_cases import NUM_KV_HEADS, Pool, make_meta
+from pagedserve.attention import int8_pages
 from pagedserve.attention.torch_backend import TorchAttentionBackend
 from pagedserve.cpu_kernels import HEADERS, build_name, isa, ops
 from pagedserve.models import layer_ops
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.usefixtures("kernel_level")
 
 DTYPES = [torch.float32, torch.bfloat16]
 # bf16 results may differ from the reference by one rounding step of the output.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
 def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
@@ -110,6 +111,27 @@ def test_write_kv_rounds_float32_rows_into_16_bit_pages(cache_dtype):
     assert torch.equal(pool.v.view(-1, NUM_KV_HEADS, 64)[slots], v.to(cache_dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_write_kv_quantizes_rows_into_int8_pages_as_the_torch_reference(dtype):
+    """Codes and scale of each (token, KV head) row equal attention/int8_pages.quantize's, an
+    all-zero row included (codes 0, scale 0), and only the written slots change."""
+    pool = Pool([40], 16, 64, torch.int8)
+    kc, vc = pool.k.clone(), pool.v.clone()
+    k = (torch.randn(3, NUM_KV_HEADS, 64) * torch.tensor([0.01, 1, 300])[:, None, None]).to(dtype)
+    k[1, 0] = 0
+    v = torch.randn(3, NUM_KV_HEADS, 64).to(dtype)
+    slots = pool.slots(0, 20, 23)
+    ops().write_kv_(k, v, kc, vc, torch.tensor(slots))
+    rows = kc.view(-1, NUM_KV_HEADS, 68)
+    assert torch.equal(rows[slots], int8_pages.quantize(k))
+    assert torch.equal(vc.view(-1, NUM_KV_HEADS, 68)[slots], int8_pages.quantize(v))
+    assert torch.equal(int8_pages.dequantize(rows[slots[1]], torch.float32)[0], torch.zeros(64))
+    error = (int8_pages.dequantize(rows[slots], torch.float32) - k.float()).abs()
+    assert (error <= k.float().abs().amax(-1, keepdim=True) / 254 * 1.0001).all()
+    rows[slots] = pool.k.view(-1, NUM_KV_HEADS, 68)[slots]
+    assert torch.equal(kc, pool.k)
+
+
 def test_kv_kernels_refuse_a_cache_dtype_they_cannot_read():
     pool = Pool([5], 16, 64, torch.float32)
     k = torch.randn(1, NUM_KV_HEADS, 64, dtype=torch.bfloat16)
@@ -149,7 +171,7 @@ def test_write_kv_skips_padding_slots():
 
 
 # (query heads per KV head, head_dim, dtype, page_size, the pages' dtype)
-F16, F32, BF16 = torch.float16, torch.float32, torch.bfloat16
+F16, F32, BF16, I8 = torch.float16, torch.float32, torch.bfloat16, torch.int8
 CASES = [
     (1, 64, F32, 16, F32),
     (3, 64, BF16, 16, BF16),
@@ -162,6 +184,11 @@ CASES = [
     (3, 64, F32, 16, F16),  # float32 activations over float16 pages (auto on float32 CPUs)
     (1, 128, F32, 4, F16),
     (3, 64, F32, 16, BF16),
+    # int8 pages (a scale a row): under each activation dtype, odd head counts, tiny pages
+    (3, 64, BF16, 16, I8),
+    (8, 128, BF16, 16, I8),
+    (5, 64, F32, 4, I8),
+    (2, 128, F16, 32, I8),
 ]
 
 
@@ -208,6 +235,9 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size, cache_dty
         (3, 80, BF16, BF16),
         (3, 64, F32, F16),
         (2, 128, F32, BF16),
+        (3, 64, BF16, I8),
+        (1, 128, F32, I8),
+        (2, 80, F16, I8),
     ],
 )
 def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype, cache_dtype):
@@ -229,7 +259,7 @@ def test_prefill_attention_matches_sdpa_per_chunk(group, head_dim, dtype, cache_
     )
     for i, (s, n, c) in enumerate(zip(starts, lens, contexts, strict=True)):
         keys, values = (
-            cache[tables[i]].flatten(0, 1)[:c].transpose(0, 1)[None].to(dtype)
+            int8_pages.from_cache(cache[tables[i]].flatten(0, 1)[:c], dtype).transpose(0, 1)[None]
             for cache in (pool.k, pool.v)
         )
         mask = torch.arange(c)[None, :] <= torch.arange(c - n, c)[:, None]

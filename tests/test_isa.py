@@ -132,6 +132,8 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")
         ({"kv_cache_dtype": "bfloat16"}, torch.float32, CPU, torch.bfloat16),
         ({"kv_cache_dtype": "float32"}, torch.float32, CPU, torch.float32),
         ({"kv_cache_dtype": "bfloat16"}, torch.bfloat16, CUDA, torch.bfloat16),
+        ({"kv_cache_dtype": "int8"}, torch.bfloat16, CPU, torch.int8),
+        ({"kv_cache_dtype": "int8"}, torch.float32, CPU, torch.int8),
     ],
 )
 def test_kv_cache_dtype(cpu, monkeypatch, options, dtype, device, kv):
@@ -157,6 +159,8 @@ def test_kv_cache_dtype_auto_is_bfloat16_under_float32_at_the_generic_level(cpu,
         ({"kv_cache_dtype": "float16"}, torch.bfloat16, CPU),
         ({"kv_cache_dtype": "float16"}, torch.bfloat16, CUDA),
         ({"kv_cache_dtype": "float16", "attention_backend": "triton"}, torch.float32, CPU),
+        ({"kv_cache_dtype": "int8"}, torch.bfloat16, CUDA),
+        ({"kv_cache_dtype": "int8", "attention_backend": "triton"}, torch.bfloat16, CPU),
     ],
 )
 def test_kv_cache_dtype_the_kernels_cannot_read_is_refused(options, dtype, device):

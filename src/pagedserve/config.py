@@ -65,8 +65,9 @@ class EngineConfig:
         " auto came out float32 (twice the tokens in the pool, attention math still in"
         " float32): float16 from the avx2 level on (llama.cpp's default), bfloat16 at the"
         " generic level. Another dtype than the model's: float16 or bfloat16 under a float32"
-        " model on CPU",
-        choices=["auto", "float32", "bfloat16", "float16"],
+        " model on CPU; int8 under any model on CPU (one scale per token and KV head, as"
+        " llama.cpp's q8_0 KV: half of 16-bit pages' bytes)",
+        choices=["auto", "float32", "bfloat16", "float16", "int8"],
     )
     kv_cache_memory: str | None = _opt(
         None, "Bytes for the KV cache pool, e.g. 512MiB or 2GiB (CPU default: 512MiB)"

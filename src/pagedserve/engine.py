@@ -35,6 +35,7 @@ from pagedserve.structured.masks import MaskFiller
 logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 @dataclass
@@ -126,7 +127,8 @@ def _pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
     """The KV pages' dtype (EngineConfig.kv_cache_dtype's help). 16-bit pages under an
     automatic float32 follow the rule of --dtype: auto is the fast choice, float32 named
     explicitly the exact one (greedy output equal to transformers'). Pages of another dtype
-    than the activations' are read by the CPU kernels only (not by Triton's)."""
+    than the activations' are read by the CPU kernels only (not by Triton's): 16-bit under
+    float32, int8 (attention/int8_pages.py) under any activations."""
     cpu_kernels = device.type == "cpu" and config.attention_backend != "triton"
     if config.kv_cache_dtype == "auto":
         if not (cpu_kernels and dtype == torch.float32 and config.dtype == "auto"):
@@ -135,15 +137,17 @@ def _pick_kv_dtype(config: EngineConfig, dtype: torch.dtype, device: torch.devic
         # portable kernels, whose float16 conversion is bit operations: decode attention over
         # bfloat16 pages 1.3-1.5x faster there (scripts/bench_cpu_decode_attention.py).
         return torch.bfloat16 if isa.kernel_level() == "generic" else torch.float16
-    kv = DTYPES[config.kv_cache_dtype]
+    kv = KV_DTYPES[config.kv_cache_dtype]
     if kv == dtype:
         return kv
     model = str(dtype).removeprefix("torch.")
-    if not cpu_kernels or dtype != torch.float32 or kv == torch.float32:
+    readable = kv == torch.int8 or (dtype == torch.float32 and kv != torch.float32)
+    if not cpu_kernels or not readable:
         raise ValueError(
-            f"--kv-cache-dtype {config.kv_cache_dtype} under a {model} model: a KV cache of"
-            " another dtype than the model's is float16 or bfloat16 under float32, read by the"
-            " CPU attention kernels (use --kv-cache-dtype auto)"
+            f"--kv-cache-dtype {config.kv_cache_dtype} under a {model} model on"
+            f" {device.type}: a KV cache of another dtype than the model's is int8, or float16"
+            " or bfloat16 under float32, read by the CPU attention kernels (use"
+            " --kv-cache-dtype auto)"
         )
     return kv
 

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention import AttentionBackend, AttentionMetadata
+from pagedserve.attention.int8_pages import row_width
 from pagedserve.batch_state import BatchTables, RowPlanner, StepInput
 from pagedserve.models.config import ModelConfig
 from pagedserve.scheduler import SchedulerOutput
@@ -18,7 +19,8 @@ logger = logging.getLogger(__name__)
 
 def kv_bytes_per_page(cfg: ModelConfig, page_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * cfg.head_dim * elem
+    row = row_width(cfg.head_dim, dtype)
+    return cfg.num_layers * 2 * page_size * cfg.num_kv_heads * row * elem
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -28,7 +30,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     item = torch.empty((), dtype=dtype).element_size()
-    raw = np.zeros(shape, dtype={2: np.uint16, 4: np.uint32}[item])
+    raw = np.zeros(shape, dtype={1: np.uint8, 2: np.uint16, 4: np.uint32}[item])
     return torch.from_numpy(raw).view(dtype)
 
 
@@ -51,7 +53,7 @@ class ModelRunner:
         # The batch rows, kept between steps (every tensor-parallel rank has its tables; only
         # rank 0 plans).
         self.planner, self.tables = RowPlanner(), BatchTables()
-        shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_pages, page_size, cfg.num_kv_heads, row_width(cfg.head_dim, kv_dtype))
         self.kv_caches = [
             (_zeros(shape, kv_dtype, device), _zeros(shape, kv_dtype, device))
             for _ in range(cfg.num_layers)

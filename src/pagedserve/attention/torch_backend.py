@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.backend import AttentionMetadata
+from pagedserve.attention.int8_pages import from_cache, head_dim_of, to_cache
 from pagedserve.cpu_kernels import ops
 
 # Padded page reads that one more SDPA group is worth (its calls' fixed cost, measured on the
@@ -72,12 +73,12 @@ def _gather_pages(
     cache: torch.Tensor, block_tables: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """[B, pages] page ids -> [B, kv_heads, pages * page_size, head_dim] in `dtype` (the
-    queries'; the pages may hold another)."""
+    queries'; the pages may hold another, int8 included)."""
     b, n = block_tables.shape
-    num_pages, page_size, kvh, d = cache.shape
+    num_pages, page_size, kvh, width = cache.shape
     # index_select over whole pages copies rows with memcpy: 2.6x faster than cache[tables].
     rows = torch.index_select(cache.view(num_pages, -1), 0, block_tables.reshape(-1))
-    return rows.view(b, n * page_size, kvh, d).transpose(1, 2).to(dtype)
+    return from_cache(rows.view(b, n * page_size, kvh, width), dtype).transpose(1, 2)
 
 
 class TorchAttentionBackend:
@@ -133,7 +134,7 @@ class TorchAttentionBackend:
         plan = self._plan
         if plan is None or plan.meta is not meta:
             raise RuntimeError("prepare() was not called for this step's metadata")
-        _, _, kvh, d = k_cache.shape
+        kvh, d = k_cache.shape[2], head_dim_of(k_cache)
         num_heads = q.shape[1]
         g = num_heads // kvh
         nd = meta.num_decode_tokens
@@ -150,8 +151,9 @@ class TorchAttentionBackend:
                 if not plan.prefill_rows:
                     return decoded
         else:
-            k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-            v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+            for x, cache in ((k, k_cache), (v, v_cache)):
+                rows = cache.view(-1, kvh, cache.shape[-1])
+                rows.index_copy_(0, meta.slot_mapping, to_cache(x, cache.dtype))
 
         out = torch.empty_like(q)
         if decoded is not None:
@@ -183,7 +185,8 @@ class TorchAttentionBackend:
             if row.mask is None:  # no cached context: causal over its own K/V
                 if with_new_kv:  # as the pages hold them: rounded to the cache's dtype
                     kp, vp = (
-                        x[span].to(k_cache.dtype).to(q.dtype).transpose(0, 1)[None] for x in (k, v)
+                        from_cache(to_cache(x[span], k_cache.dtype), q.dtype).transpose(0, 1)[None]
+                        for x in (k, v)
                     )
                 else:
                     kp = _gather_pages(k_cache, row.pages[None], q.dtype)[:, :, : row.q_len]

@@ -28,18 +28,20 @@ inline float dot(const T* a, const float* b, int64_t n) {
 }
 
 // Calls fn(t, row) for the first n tokens of one KV head in a paged cache [pages, page_size,
-// Hk, D], in order, with token t's row of head h converted to float32 (D: as decode_unit).
+// Hk, D (+ kRowExtra)], in order, with token t's row of head h converted to float32 (D: as
+// decode_unit).
 template <typename T, int64_t D, typename Fn>
 inline void for_each_row(const T* cache, const int64_t* pages, int64_t n, int64_t page,
                          int64_t hk, int64_t h, int64_t d_runtime, Fn&& fn) {
-  const int64_t d = D ? D : d_runtime;
+  const int64_t d = D ? D : d_runtime, len = d + kRowExtra<T>;
   float row[D ? D : 256];
   for (int64_t first = 0; first < n; first += page) {
     const int64_t count = std::min(page, n - first);
-    const T* r = cache + (pages[first / page] * page * hk + h) * d;
-    for (int64_t o = 0; o < count; ++o, r += hk * d) {
+    const T* r = cache + (pages[first / page] * page * hk + h) * len;
+    for (int64_t o = 0; o < count; ++o, r += hk * len) {
+      const float s = row_scale(r, d);
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) row[i] = to_f(r[i]);
+      for (int64_t i = 0; i < d; ++i) row[i] = to_f(r[i]) * s;
       fn(first + o, row);
     }
   }
@@ -101,16 +103,24 @@ constexpr int64_t kUnitHeads = 3;  // query heads a pass
 // Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: a row
 // kPrefetchRows tokens ahead is fetched while this one is used.
 constexpr int64_t kPrefetchRows = 16;
+// The lines of d elements from row (and of an int8 row's scale after them), wherever the row
+// starts in its first line (an int8 row of 68 bytes mostly spans two).
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
-  const char* p = reinterpret_cast<const char*>(row);
-  for (int64_t line = 0; line < d * static_cast<int64_t>(sizeof(T)); line += 64) {
-    _mm_prefetch(p + line, _MM_HINT_T0);
+  const auto begin = reinterpret_cast<uintptr_t>(row);
+  const uintptr_t end = begin + (d + kRowExtra<T>) * sizeof(T);
+  for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
   }
 }
 
+// The cache element type of row lambdas.
+template <typename Row>
+using RowElement = std::remove_cv_t<std::remove_pointer_t<std::invoke_result_t<Row, int64_t>>>;
+
 // Scores of tokens [0, n) for query heads [0, G) (qf: their scaled float32 rows) into
-// scores[j * stride + t]; row(t): token t's key row.
+// scores[j * stride + t]; row(t): token t's key row (an int8 row's dot products times its
+// scale, read here with the row's lines).
 template <int64_t G, typename Row>
 inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, float* scores,
                         int64_t stride) {
@@ -141,7 +151,17 @@ inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, f
       }
     }
     // Tokens past n repeat the last one: their scores land in the padding.
-    for (int64_t j = 0; j < G; ++j) _mm256_storeu_ps(scores + j * stride + t0, lane_sums(part[j]));
+    __m256 key_scales = _mm256_set1_ps(1.f);
+    if constexpr (std::is_same_v<RowElement<Row>, int8_t>) {
+      alignas(32) float s[8];
+      for (int u = 0; u < 8; ++u) s[u] = row_scale(row(std::min(t0 + u, n - 1)), d);
+      key_scales = _mm256_load_ps(s);
+    }
+    for (int64_t j = 0; j < G; ++j) {
+      __m256 sums = lane_sums(part[j]);
+      if constexpr (std::is_same_v<RowElement<Row>, int8_t>) sums = _mm256_mul_ps(sums, key_scales);
+      _mm256_storeu_ps(scores + j * stride + t0, sums);
+    }
   }
 }
 
@@ -156,7 +176,11 @@ inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row
   for (int64_t t = 0; t < n; ++t) {
     if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, 32);
     const auto* r = row(t) + c0;
-    const __m256 v[4] = {load8_f32(r), load8_f32(r + 8), load8_f32(r + 16), load8_f32(r + 24)};
+    __m256 v[4] = {load8_f32(r), load8_f32(r + 8), load8_f32(r + 16), load8_f32(r + 24)};
+    if constexpr (std::is_same_v<RowElement<Row>, int8_t>) {
+      const __m256 scale = _mm256_set1_ps(row_scale(row(t), d));
+      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], scale);
+    }
     for (int64_t j = 0; j < G; ++j) {
       const __m256 p = _mm256_broadcast_ss(probs + j * stride + t);
       for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_fmadd_ps(p, v[i], acc[j][i]);
@@ -178,13 +202,15 @@ inline void unit_heads(const float* qf, int64_t d, int64_t n, const Keys& keys,
 }
 
 // Each token's row offset in the cache for KV head h, once (a division by the page size a row
-// read took most of the time).
+// read took most of the time); len: a row's elements.
 inline const int64_t* row_offsets(const int64_t* pages, int64_t n, int64_t page, int64_t hk,
-                                  int64_t h, int64_t d, std::vector<int64_t>& offsets) {
+                                  int64_t h, int64_t len, std::vector<int64_t>& offsets) {
   offsets.resize(n);
   for (int64_t first = 0; first < n; first += page) {
-    const int64_t base = (pages[first / page] * page * hk + h) * d;
-    for (int64_t o = 0; o < std::min(page, n - first); ++o) offsets[first + o] = base + o * hk * d;
+    const int64_t base = (pages[first / page] * page * hk + h) * len;
+    for (int64_t o = 0; o < std::min(page, n - first); ++o) {
+      offsets[first + o] = base + o * hk * len;
+    }
   }
   return offsets.data();
 }
@@ -198,7 +224,7 @@ void decode_unit_avx2(const T* q, const C* kc, const C* vc, T* out, const int64_
   qf.resize(g * d);
   scores.resize(kUnitHeads * stride);
   for (int64_t j = 0; j < g * d; ++j) qf[j] = to_f(q[j]) * scale;
-  const int64_t* at = row_offsets(pages, n, page, hk, h, d, offsets);
+  const int64_t* at = row_offsets(pages, n, page, hk, h, d + kRowExtra<C>, offsets);
   const auto keys = [=](int64_t t) { return kc + at[t]; };
   const auto values = [=](int64_t t) { return vc + at[t]; };
   for (int64_t j0 = 0; j0 < g; j0 += kUnitHeads) {
@@ -213,11 +239,8 @@ void decode_unit_avx2(const T* q, const C* kc, const C* vc, T* out, const int64_
 }
 #endif
 
-#ifdef PAGEDSERVE_AVX512_BF16
-// Pieces of the bfloat16 units (bfloat16 queries over bfloat16 pages, head size D = 64 or 128,
-// G query heads per KV head): AVX-512 BF16's vdpbf16ps multiplies bfloat16 pairs straight from
-// the pages, summing in float32 (the AVX2 unit widens every value first: at the avx512 level a
-// third of a batch-32 decode step went to attention).
+#ifdef PAGEDSERVE_AVX512
+// Pieces of the AVX-512 units (head size D = 64 or 128, G query heads per KV head).
 
 // kTokenSlot[u]: where token u's partial sums go, so that lane_sums16 hands back token u in lane
 // u (its additions leave the tokens in the 4 x 4 transposed order; a transposition is its own
@@ -240,6 +263,126 @@ inline __m512 lane_sums16(__m512* v) {
   }
   return _mm512_add_ps(_mm512_shuffle_ps(v[0], v[1], 0x88), _mm512_shuffle_ps(v[0], v[1], 0xDD));
 }
+
+// Unit::fn<D, G> for this head size and count, or nullptr.
+template <typename Unit, int64_t D>
+auto unit_for(int64_t g) -> decltype(&Unit::template fn<D, 1>) {
+  switch (g) {
+    case 1: return Unit::template fn<D, 1>;
+    case 2: return Unit::template fn<D, 2>;
+    case 3: return Unit::template fn<D, 3>;
+    case 4: return Unit::template fn<D, 4>;
+    case 6: return Unit::template fn<D, 6>;
+    case 8: return Unit::template fn<D, 8>;
+    default: return nullptr;
+  }
+}
+
+template <typename Unit>
+auto unit_for(int64_t d, int64_t g) -> decltype(&Unit::template fn<64, 1>) {
+  return d == 64 ? unit_for<Unit, 64>(g) : d == 128 ? unit_for<Unit, 128>(g) : nullptr;
+}
+
+// 16 int8 codes as float32.
+inline __m512 load16_codes(const int8_t* p) {
+  const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+}
+
+// out[j * D, + D) for query heads [0, G): the sum over tokens of probs[j * stride + t] times
+// value row t (at[t] in vc) times its scale, each row widened once, the sums in registers.
+template <int64_t D, int64_t G, typename T>
+inline void int8_values(const float* probs, int64_t stride, int64_t n, const int8_t* vc,
+                        const int64_t* at, T* out) {
+  constexpr int64_t kSteps = D / 16;
+  __m512 acc[G][kSteps];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t i = 0; i < kSteps; ++i) acc[j][i] = _mm512_setzero_ps();
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    if (t + kPrefetchRows < n) prefetch_row(vc + at[t + kPrefetchRows], D);
+    const int8_t* r = vc + at[t];
+    const float scale = row_scale(r, D);
+    __m512 x[kSteps];
+    for (int64_t i = 0; i < kSteps; ++i) x[i] = load16_codes(r + 16 * i);
+    for (int64_t j = 0; j < G; ++j) {
+      const __m512 p = _mm512_set1_ps(probs[j * stride + t] * scale);
+      for (int64_t i = 0; i < kSteps; ++i) acc[j][i] = _mm512_fmadd_ps(p, x[i], acc[j][i]);
+    }
+  }
+  alignas(64) float sums[16];
+  for (int64_t j = 0; j < G; ++j) {
+    for (int64_t i = 0; i < kSteps; ++i) {
+      _mm512_store_ps(sums, acc[j][i]);
+      for (int64_t l = 0; l < 16; ++l) out[j * D + 16 * i + l] = from_f<T>(sums[l]);
+    }
+  }
+}
+
+// The int8 unit: int8 pages (convert.h) under float32 or bfloat16 queries, pages of any size,
+// float32 math in 512-bit vectors with every key and value row widened once. Scores: 16 tokens
+// a block, each key row widened to D / 16 vectors and multiplied by the G query rows held in
+// registers, summed across lanes as in the bfloat16 units, times the block's key scales; the
+// weighted sum of values in int8_values, a group of heads at a time (their sums in registers).
+template <typename T>
+struct Avx512Int8Unit {
+  template <int64_t D, int64_t G>
+  static void fn(const T* q, const int8_t* kc, const int8_t* vc, T* out, const int64_t* pages,
+                 int64_t n, int64_t page, int64_t hk, int64_t h, float scale,
+                 std::vector<float>& scores, std::vector<int64_t>& offsets) {
+    constexpr int64_t kSteps = D / 16;
+    const int64_t padded_n = (n + 15) / 16 * 16;
+    scores.resize(G * padded_n);
+    const int64_t* at = row_offsets(pages, n, page, hk, h, D + kRowExtra<int8_t>, offsets);
+    __m512 qv[G][kSteps];
+    alignas(64) float row[16];
+    for (int64_t j = 0; j < G; ++j) {
+      for (int64_t i = 0; i < kSteps; ++i) {
+        for (int64_t l = 0; l < 16; ++l) row[l] = to_f(q[j * D + 16 * i + l]) * scale;
+        qv[j][i] = _mm512_load_ps(row);
+      }
+    }
+    for (int64_t t0 = 0; t0 < n; t0 += 16) {
+      for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_row(kc + at[t], D);
+      __m512 v[G][16];
+      alignas(64) float key_scales[16];
+      for (int u = 0; u < 16; ++u) {
+        const int8_t* r = kc + at[std::min(t0 + u, n - 1)];  // past n: the last again
+        key_scales[u] = row_scale(r, D);
+        __m512 k[kSteps];
+        for (int64_t i = 0; i < kSteps; ++i) k[i] = load16_codes(r + 16 * i);
+        for (int64_t j = 0; j < G; ++j) {
+          __m512 a = _mm512_mul_ps(k[0], qv[j][0]);
+          for (int64_t i = 1; i < kSteps; ++i) a = _mm512_fmadd_ps(k[i], qv[j][i], a);
+          v[j][kTokenSlot[u]] = a;
+        }
+      }
+      const __m512 ks = _mm512_load_ps(key_scales);
+      for (int64_t j = 0; j < G; ++j) {
+        _mm512_storeu_ps(scores.data() + j * padded_n + t0, _mm512_mul_ps(lane_sums16(v[j]), ks));
+      }
+    }
+    for (int64_t j = 0; j < G; ++j) softmax_(scores.data() + j * padded_n, n);
+    constexpr int64_t kGroup = D == 64 ? 4 : 2;  // heads a pass over the values
+    for (int64_t j0 = 0; j0 < G; j0 += kGroup) {
+      const float* p = scores.data() + j0 * padded_n;
+      T* o = out + j0 * D;
+      switch (std::min(kGroup, G - j0)) {
+        case 1: int8_values<D, 1>(p, padded_n, n, vc, at, o); break;
+        case 2: int8_values<D, 2>(p, padded_n, n, vc, at, o); break;
+        case 3: int8_values<D, 3>(p, padded_n, n, vc, at, o); break;
+        default: int8_values<D, 4>(p, padded_n, n, vc, at, o);
+      }
+    }
+  }
+};
+#endif  // PAGEDSERVE_AVX512
+
+#ifdef PAGEDSERVE_AVX512_BF16
+// Pieces of the bfloat16 units (bfloat16 queries over bfloat16 pages, head size D = 64 or 128,
+// G query heads per KV head): AVX-512 BF16's vdpbf16ps multiplies bfloat16 pairs straight from
+// the pages, summing in float32 (the AVX2 unit widens every value first: at the avx512 level a
+// third of a batch-32 decode step went to attention).
 
 // Scaled scores of tokens [0, n) for query heads [0, g) into scores[j * stride + t]; row(t):
 // token t's key row. 16 tokens a block, each (token, head) in D / 32 vdpbf16ps, the block's
@@ -335,30 +478,6 @@ inline void bf16_values(const uint32_t* p, int64_t pairs, int64_t n, const Row& 
       }
     }
   }
-}
-
-// A bfloat16 unit: one (sequence, KV head), as decode_unit.
-using Bf16UnitFn = void (*)(const at::BFloat16*, const at::BFloat16*, const at::BFloat16*,
-                            at::BFloat16*, const int64_t*, int64_t, int64_t, int64_t, int64_t,
-                            float, std::vector<float>&, std::vector<int64_t>&);
-
-// Unit::fn<D, G> for this head count, or nullptr.
-template <typename Unit, int64_t D>
-Bf16UnitFn bf16_unit_for(int64_t g) {
-  switch (g) {
-    case 1: return Unit::template fn<D, 1>;
-    case 2: return Unit::template fn<D, 2>;
-    case 3: return Unit::template fn<D, 3>;
-    case 4: return Unit::template fn<D, 4>;
-    case 6: return Unit::template fn<D, 6>;
-    case 8: return Unit::template fn<D, 8>;
-    default: return nullptr;
-  }
-}
-
-template <typename Unit>
-Bf16UnitFn bf16_unit_for(int64_t d, int64_t g) {
-  return d == 64 ? bf16_unit_for<Unit, 64>(g) : d == 128 ? bf16_unit_for<Unit, 128>(g) : nullptr;
 }
 
 // The AVX-512 BF16 unit (pages of any size). Against the AVX2 unit at batch 32, contexts
@@ -471,6 +590,9 @@ struct AmxUnit {
 #endif  // PAGEDSERVE_AMX
 
 #ifdef PAGEDSERVE_AVX512_BF16
+// A bfloat16 unit: one (sequence, KV head), as decode_unit.
+using Bf16UnitFn = decltype(&Avx512Bf16Unit::fn<64, 1>);
+
 // The bfloat16 unit for this shape (AMX where it has tiles, else AVX-512 BF16), or nullptr
 // where decode_unit_avx2 serves. tiles: whether it is the AMX one.
 Bf16UnitFn bf16_unit(at::ScalarType cache_dtype, at::ScalarType dtype, int64_t page, int64_t d,
@@ -479,21 +601,21 @@ Bf16UnitFn bf16_unit(at::ScalarType cache_dtype, at::ScalarType dtype, int64_t p
   if (dtype != at::kBFloat16 || cache_dtype != dtype) return nullptr;
 #ifdef PAGEDSERVE_AMX
   if (page == 16 && amx_available()) {
-    if (const Bf16UnitFn fn = bf16_unit_for<AmxUnit>(d, g)) {
+    if (const Bf16UnitFn fn = unit_for<AmxUnit>(d, g)) {
       tiles = true;
       return fn;
     }
   }
 #endif
-  return bf16_unit_for<Avx512Bf16Unit>(d, g);
+  return unit_for<Avx512Bf16Unit>(d, g);
 }
 #endif
 
 }  // namespace
 
 // Decode attention straight from the pages: one query token per sequence, no gathered copy.
-// q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D] of q's dtype, or 16-bit
-// under float32 q (dispatch_kv); block_tables int64
+// q [B, Hq, D] (row-strided allowed); caches [pages, page_size, Hk, D] of q's dtype, 16-bit
+// under float32 q, or int8 [pages, page_size, Hk, D + 4] (dispatch_kv); block_tables int64
 // [B, max_pages]; context_lens int64 [B]. Returns [B, Hq, D].
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                                      const at::Tensor& v_cache,
@@ -505,6 +627,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   const int64_t b = q.size(0), hq = q.size(1), d = q.size(2);
   const int64_t page = k_cache.size(1), hk = k_cache.size(2), g = hq / hk;
   TORCH_CHECK(d <= 256, "decode attention: head size above 256");
+  TORCH_CHECK(cache_head_dim(k_cache) == d && v_cache.sizes() == k_cache.sizes(),
+              "decode attention: caches of q's head size");
   const int64_t width = block_tables.size(1);
   auto out = q.new_empty({b, hq, d});
   const int64_t* tables = block_tables.data_ptr<int64_t>();
@@ -520,9 +644,16 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
     const auto unit_fn = d == 64    ? decode_unit<scalar_t, cache_t, 64>
                          : d == 128 ? decode_unit<scalar_t, cache_t, 128>
                                     : decode_unit<scalar_t, cache_t, 0>;
+#ifdef PAGEDSERVE_AVX512
+    using Int8Fn = decltype(&Avx512Int8Unit<scalar_t>::template fn<64, 1>);
+    Int8Fn int8_fn = nullptr;
+    if constexpr (std::is_same_v<cache_t, int8_t> && !std::is_same_v<scalar_t, at::Half>) {
+      int8_fn = unit_for<Avx512Int8Unit<scalar_t>>(d, g);
+    }
+#endif
 #ifdef PAGEDSERVE_AVX512_BF16
     bool tiles = false;
-    const Bf16UnitFn bf16_fn =
+    const auto bf16_fn =
         bf16_unit(k_cache.scalar_type(), q.scalar_type(), page, d, g, tiles);
 #endif
     // Units (sequence, KV head) go longest context first to whichever thread is free: contexts
@@ -548,6 +679,15 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                         std::is_same_v<cache_t, at::BFloat16>) {
             if (bf16_fn != nullptr) {
               bf16_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h,
+                      static_cast<float>(scale), scores, offsets);
+              continue;
+            }
+          }
+#endif
+#ifdef PAGEDSERVE_AVX512
+          if constexpr (std::is_same_v<cache_t, int8_t>) {
+            if (int8_fn != nullptr) {
+              int8_fn(qu, kc, vc, ou, tables + seq * width, lens[seq], page, hk, h,
                       static_cast<float>(scale), scores, offsets);
               continue;
             }

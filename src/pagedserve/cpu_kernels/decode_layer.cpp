@@ -1,6 +1,7 @@
 // One decoder layer of a decode step (one new token per sequence) on packed weights: the
 // steps of models/llama.py's DecoderLayer with the fused attention backend, in one call. At
 // batch 1 the Python version spent about as long in the interpreter as in these kernels.
+#include "convert.h"
 #include "cpu_ops.h"
 #include "quant_linear.h"
 
@@ -34,7 +35,7 @@ std::tuple<at::Tensor, at::Tensor> decode_layer(
     res = x;
     x = rms_norm(x, input_norm, eps);
   }
-  const int64_t b = x.size(0), d = k_cache.size(3);
+  const int64_t b = x.size(0), d = cache_head_dim(k_cache);
   const int64_t q_size = num_heads * d, kv_size = num_kv_heads * d;
   auto qkv = packed_linear(x, qkv_proj);
   auto q = qkv.narrow(1, 0, q_size).view({b, num_heads, d});

@@ -267,9 +267,35 @@ at::Tensor masked_logits(const at::Tensor& x, const at::Tensor& rows, const at::
   return out;
 }
 
+// One head's row of d values as an int8 page row (convert.h): codes x * (1 / scale) rounded to
+// nearest even, scale = max |x| * (1 / 127), then the scale; an all-zero row gets codes 0,
+// scale 0. The same operations as attention/int8_pages.quantize, bit for bit: the scale and
+// its reciprocal pass through volatiles, or -ffast-math folds them into x * 127 / max |x|,
+// whose roundings differ (a bfloat16 half of the maximum lands on 63.5 exactly).
+template <typename T>
+inline void quantize_row(const T* from, int64_t d, int8_t* to) {
+  float amax = 0.f;
+#pragma omp simd reduction(max : amax)
+  for (int64_t j = 0; j < d; ++j) amax = std::max(amax, std::fabs(to_f(from[j])));
+  volatile float scale_v = amax * (1.f / 127.f);
+  const float scale = scale_v;
+  if (scale > 0.f) {
+    volatile float inv_v = 1.f / scale;
+    const float inv = inv_v;
+#pragma omp simd
+    for (int64_t j = 0; j < d; ++j) {
+      to[j] = static_cast<int8_t>(std::clamp(std::nearbyint(to_f(from[j]) * inv), -127.f, 127.f));
+    }
+  } else {
+    std::fill_n(to, d, int8_t{0});
+  }
+  std::memcpy(to + d, &scale, sizeof scale);
+}
+
 // Copy each new token's k/v rows (row-strided views allowed) to its slot of the paged caches
-// [pages, page_size, Hk, D], converted to the caches' dtype (dispatch_kv's pairs); slot_mapping
-// int64 [T] (flat page * page_size + offset, or -1 for a token to skip).
+// [pages, page_size, Hk, D] (D + 4 for int8 pages), converted to the caches' dtype
+// (dispatch_kv's pairs); slot_mapping int64 [T] (flat page * page_size + offset, or -1 for a
+// token to skip).
 void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
                at::Tensor& v_cache, const at::Tensor& slot_mapping) {
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 &&
@@ -277,7 +303,9 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous());
   TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "write_kv: k and v of one dtype, their caches of one dtype");
-  const int64_t t = k.size(0), row = k.size(1) * k.size(2);
+  TORCH_CHECK(cache_head_dim(k_cache) == k.size(2) && k_cache.sizes() == v_cache.sizes(),
+              "write_kv: caches of k's head size");
+  const int64_t t = k.size(0), hk = k.size(1), d = k.size(2), row = hk * d;
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   dispatch_kv(k.scalar_type(), k_cache.scalar_type(), "write_kv", [&](auto tag, auto cache_tag) {
     using scalar_t = decltype(tag);
@@ -287,8 +315,11 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
     const auto* kp = k.data_ptr<scalar_t>();
     const auto* vp = v.data_ptr<scalar_t>();
     const int64_t ks = k.stride(0), vs = v.stride(0);
-    const auto copy_row = [row](const scalar_t* from, cache_t* to) {
-      if constexpr (std::is_same_v<scalar_t, cache_t>) {
+    const int64_t slot_size = hk * (d + kRowExtra<cache_t>);
+    const auto copy_row = [=](const scalar_t* from, cache_t* to) {
+      if constexpr (std::is_same_v<cache_t, int8_t>) {
+        for (int64_t h = 0; h < hk; ++h) quantize_row(from + h * d, d, to + h * (d + 4));
+      } else if constexpr (std::is_same_v<scalar_t, cache_t>) {
         std::copy_n(from, row, to);
       } else {
 #pragma omp simd
@@ -300,8 +331,8 @@ void write_kv_(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache,
     at::parallel_for(0, t, kWriteGrain, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         if (slots[i] < 0) continue;  // a padding token
-        copy_row(kp + i * ks, kc + slots[i] * row);
-        copy_row(vp + i * vs, vc + slots[i] * row);
+        copy_row(kp + i * ks, kc + slots[i] * slot_size);
+        copy_row(vp + i * vs, vc + slots[i] * slot_size);
       }
     });
   });

@@ -69,11 +69,12 @@ void unit_portable(const PrefillUnit<T, C>& u, Scratch& s) {
   for (int64_t t = 0; t < n; ++t) {
     const C* kr = u.k.at(t);
     const C* vr = u.v.at(t);
+    const float k_scale = row_scale(kr, d), v_scale = row_scale(vr, d);
     float* kt = s.keys.data() + (t / kKeys) * d * kKeys + t % kKeys;
     float* vt = s.values.data() + t * d;
-    for (int64_t dim = 0; dim < d; ++dim) kt[dim * kKeys] = to_f(kr[dim]);
+    for (int64_t dim = 0; dim < d; ++dim) kt[dim * kKeys] = to_f(kr[dim]) * k_scale;
 #pragma omp simd
-    for (int64_t dim = 0; dim < d; ++dim) vt[dim] = to_f(vr[dim]);
+    for (int64_t dim = 0; dim < d; ++dim) vt[dim] = to_f(vr[dim]) * v_scale;
   }
   const int64_t past = n - u.q_len;
   std::vector<float> qf(kRows * d);
@@ -138,7 +139,7 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
   }
   for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&k_cache, &v_cache}) {
     TORCH_CHECK(t->dim() == 4 && t->is_contiguous() && t->scalar_type() == k_cache.scalar_type() &&
-                    t->sizes() == k_cache.sizes() && t->size(3) == q.size(2),
+                    t->sizes() == k_cache.sizes() && cache_head_dim(*t) == q.size(2),
                 "prefill attention: caches [pages, page_size, Hk, D] of one dtype");
   }
   const int64_t chunks = static_cast<int64_t>(starts.size());
@@ -168,14 +169,15 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
     const auto* kc = k_cache.data_ptr<cache_t>();
     const auto* vc = v_cache.data_ptr<cache_t>();
     auto* op = out.data_ptr<scalar_t>();
+    const int64_t len = d + kRowExtra<cache_t>;  // a cache row's elements
     parallel_claims(chunks * hk, 1, [&](int64_t i, int64_t) {  // a unit a claim
       thread_local Scratch scratch;
       const int64_t c = order[i] / hk, h = order[i] % hk, row = starts[c];
       const PrefillUnit<scalar_t, cache_t> u{
           qp + row * q.stride(0) + h * g * d,
           q.stride(0),
-          {kc + h * d, tables + c * width, page, hk * d},
-          {vc + h * d, tables + c * width, page, hk * d},
+          {kc + h * len, tables + c * width, page, hk * len},
+          {vc + h * len, tables + c * width, page, hk * len},
           op + row * out.stride(0) + h * g * d,
           out.stride(0),
           lens[c],

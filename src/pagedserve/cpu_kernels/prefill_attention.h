@@ -15,7 +15,8 @@ bool prefill_attention_supported(const at::Tensor& q);
 // out = causal attention of prefill chunks over their pages: chunk i's queries are rows
 // [starts[i], starts[i] + lens[i]) of q [T, Hq, D] (row-strided allowed, heads dense) and the
 // last lens[i] of its context_lens[i] tokens, whose keys and values (its own included) are in
-// k_cache and v_cache [pages, page_size, Hk, D] (q's dtype, or 16-bit under float32 q)
+// k_cache and v_cache [pages, page_size, Hk, D] (q's dtype, 16-bit under float32 q, or int8
+// with D + 4, convert.h)
 // through block_tables [chunks, max_pages];
 // out [T, Hq, D] likewise. Grouped-query heads share their KV head.
 void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
@@ -24,12 +25,12 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
                         const at::Tensor& context_lens, const at::Tensor& block_tables,
                         double scale);
 
-// Token t's row of one KV head in a paged cache [pages, page_size, Hk, D].
+// Token t's row of one KV head in a paged cache [pages, page_size, Hk, D (+ kRowExtra)].
 template <typename T>
 struct PagedRows {
   const T* cache;  // at the head's first dim
   const int64_t* pages;
-  int64_t page_size, stride;  // stride: Hk * D
+  int64_t page_size, stride;  // stride: Hk * a row's elements
   const T* at(int64_t t) const {
     return cache + (pages[t / page_size] * page_size + t % page_size) * stride;
   }
