@@ -51,6 +51,21 @@ def hf_reference(default_gguf):
     return model.eval()
 
 
+TOP = 5  # logprobs compared where outputs may differ
+
+
+def agreeing_prefix(fast: dict, ref: dict) -> int:
+    """Tokens equal before the first difference of two greedy runs ({"ids", "logprobs"} each),
+    where each side's token must be among the other's top-5 (vLLM's check_logprobs_close).
+    Logprob keys are token ids, or their strings after a JSON round trip."""
+    for i, (a, b) in enumerate(zip(fast["ids"], ref["ids"], strict=True)):
+        if a != b:
+            assert a in map(int, ref["logprobs"][i]), f"token {a} not in the reference's top-{TOP}"
+            assert b in map(int, fast["logprobs"][i]), f"reference token {b} not in the top-{TOP}"
+            return i
+    return len(fast["ids"])
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The default model at each CPU kernel level this machine runs (a process per level, capped by
 PAGEDSERVE_CPU_ISA as a user would): float32 greedy output equal to transformers', and the
 level's fast default (dtype auto, packed weights) close to float32 in vLLM's sense: at the
-first token where the two differ, each side's token is among the other's top-5 logprobs."""
+first token where the two differ, each side's token is among the other's top-5 logprobs. The
+same holds for float32 over int8 KV pages against float32 over float32 ones."""
 
 from __future__ import annotations
 
@@ -12,11 +13,10 @@ import sys
 
 import pytest
 
-from conftest import PROMPTS, hf_greedy
+from conftest import PROMPTS, TOP, agreeing_prefix, hf_greedy
 from pagedserve.cpu_kernels import isa
 
 MAX_TOKENS = 32
-TOP = 5
 
 
 def run_level(level: str) -> dict:
@@ -43,17 +43,6 @@ def expected(hf_reference):
     return [hf_greedy(hf_reference, tok.encode(p), MAX_TOKENS) for p in PROMPTS]
 
 
-def agreeing_prefix(fast: dict, ref: dict) -> int:
-    """Tokens equal before the first difference, where each side's token must be among the
-    other's top-5 (vLLM's check_logprobs_close)."""
-    for i, (a, b) in enumerate(zip(fast["ids"], ref["ids"], strict=True)):
-        if a != b:
-            assert str(a) in ref["logprobs"][i], f"fast token {a} not in float32's top-{TOP}"
-            assert str(b) in fast["logprobs"][i], f"float32 token {b} not in fast's top-{TOP}"
-            return i
-    return len(fast["ids"])
-
-
 @pytest.mark.timeout(1200)  # a level's first use compiles its kernels (~1 minute when idle)
 @pytest.mark.parametrize("level", isa.levels_supported())
 def test_default_model_at_each_level(level, expected):
@@ -65,9 +54,12 @@ def test_default_model_at_each_level(level, expected):
     # ones their own dtype
     pages = {"float32": "bfloat16" if level == "generic" else "float16"}
     assert result["fast_kv_dtype"] == pages.get(d := result["fast_dtype"], d)
+    int8 = [
+        agreeing_prefix(f, r) for f, r in zip(result["int8_kv"], result["float32"], strict=True)
+    ]
     print(
         f"{level} ({result['fast_dtype']}, {result['fast_kv_dtype']} KV): tokens agreeing with"
-        f" float32 per prompt: {agree}"
+        f" float32 per prompt: {agree}; float32 over int8 KV pages: {int8}"
     )
 
 
@@ -89,6 +81,12 @@ def main() -> None:
         "level": ops().kernel_level(),
         "float32": exact,
         "fast": run(fast_llm),
+        # int8 pages alone: the same float32 model over int8 KV pages
+        "int8_kv": run(
+            LLM(
+                dtype="float32", quantization="none", kv_cache_dtype="int8", kv_cache_memory="64MiB"
+            )
+        ),
         "fast_dtype": str(fast_llm.engine.dtype).removeprefix("torch."),
         "fast_kv_dtype": str(fast_llm.engine.kv_dtype).removeprefix("torch."),
     }
