@@ -4,6 +4,7 @@ layer of a prefill step of whole prompts, the engine's default dtypes for this C
 (activations and KV pages), best of rounds, ms a call.
 
     [PAGEDSERVE_CPU_ISA=LEVEL] python scripts/bench_cpu_prefill_attention.py [--prompts 16x128]
+        [--kv-cache-dtype int8]
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 
 import torch
 
+from pagedserve.attention import int8_pages
 from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import ops
 from pagedserve.engine import _pick_dtype, _pick_kv_dtype
@@ -25,10 +27,11 @@ def main() -> None:
     parser.add_argument("--prompts", default="16x128,4x512", help="COUNTxTOKENS, comma-separated")
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--calls", type=int, default=5, help="calls timed per round")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="as pagedserve serve's")
     args = parser.parse_args()
     cpu = torch.device("cpu")
     dtype = _pick_dtype("auto", cpu)
-    kv_dtype = _pick_kv_dtype(EngineConfig(), dtype, cpu)
+    kv_dtype = _pick_kv_dtype(EngineConfig(kv_cache_dtype=args.kv_cache_dtype), dtype, cpu)
     kernels = ops()
     print(f"kernel level {kernels.kernel_level()}, {dtype} queries, {kv_dtype} pages, ms a call:")
     for spec in args.prompts.split(","):
@@ -36,7 +39,7 @@ def main() -> None:
         pages = -(-tokens // PAGE_SIZE)
         tables = torch.randperm(2 * count * pages)[: count * pages].view(count, pages)
         shape = (2 * count * pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
-        k, v = torch.randn(shape).to(kv_dtype), torch.randn(shape).to(kv_dtype)
+        k, v = (int8_pages.to_cache(torch.randn(shape), kv_dtype) for _ in "kv")
         q = torch.randn(count * tokens, NUM_HEADS, HEAD_DIM).to(dtype)
         out = torch.empty_like(q)
         starts, lens = [i * tokens for i in range(count)], [tokens] * count

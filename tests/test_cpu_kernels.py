@@ -236,6 +236,7 @@ def test_backend_fused_matches_sdpa(group, head_dim, dtype, page_size, cache_dty
         (3, 64, F32, F16),
         (2, 128, F32, BF16),
         (3, 64, BF16, I8),
+        (2, 128, BF16, I8),
         (1, 128, F32, I8),
         (2, 80, F16, I8),
     ],

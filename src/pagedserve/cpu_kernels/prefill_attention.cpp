@@ -1,8 +1,8 @@
 // Causal attention of prefill chunks over their KV pages (cached context and the chunk's own
 // rows), every chunk of a step in one call. A unit is one chunk and KV head, handed out
 // longest context first to whichever thread is free; the amx level takes bf16 units of head
-// size 64 or 128 on AMX tiles (prefill_attention_amx.cpp), every other unit goes to the
-// portable unit below, which the compiler vectorizes at each level.
+// size 64 or 128 over bf16 or int8 pages on AMX tiles (prefill_attention_amx.cpp), every other
+// unit goes to the portable unit below, which the compiler vectorizes at each level.
 //
 // The portable unit converts the unit's keys once to float32 in blocks of 16 keys transposed
 // ([block][dim][16]) and its values to float32 rows, both shared by the KV head's query heads.
@@ -187,7 +187,7 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
           static_cast<float>(scale)};
 #ifdef PAGEDSERVE_AMX
       if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
-                    std::is_same_v<cache_t, at::BFloat16>) {
+                    (std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, int8_t>)) {
         if (amx) {
           prefill_unit_amx(u);
           return;

@@ -50,7 +50,9 @@ struct PrefillUnit {
 };
 
 #ifdef PAGEDSERVE_AMX
-// Whether the AMX unit serves q (bf16, head size 64 or 128, AMX granted by Linux).
+// Whether the AMX unit serves q (bf16, head size 64 or 128, AMX granted by Linux), over bf16
+// or int8 pages (C: at::BFloat16 or int8_t).
 bool prefill_unit_amx_supported(const at::Tensor& q);
-void prefill_unit_amx(const PrefillUnit<at::BFloat16>& u);
+template <typename C>
+void prefill_unit_amx(const PrefillUnit<at::BFloat16, C>& u);
 #endif

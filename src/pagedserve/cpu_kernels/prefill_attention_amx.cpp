@@ -1,6 +1,8 @@
 // The amx level's unit of prefill attention (prefill_attention.cpp hands units out): one chunk
-// and KV head, bf16, head size 64 or 128, on Intel AMX. Its keys are transposed once into B
-// tiles and its values interleaved in pairs once, shared by the KV head's query heads. Then for each query head and block of 16 queries: scores Q K^T in
+// and KV head, bf16 queries, head size 64 or 128, on Intel AMX. Its keys are transposed once
+// into B tiles and its values interleaved in pairs once (int8 pages dequantized to bf16 on the
+// way), shared by the KV head's query heads. Then for each query head and block of 16 queries:
+// scores Q K^T in
 // tiles of 16 queries x 16 keys (only the blocks its queries see), a softmax per query in
 // float32 whose exponentials are rounded to bfloat16 unnormalised (as flash attention does),
 // P V in tiles of 16 x 16 dims, and each row divided by its sum at the end. On the reference
@@ -12,6 +14,7 @@
 #include <limits>
 
 #include "amx.h"
+#include "convert.h"
 #include "prefill_attention.h"
 
 #ifdef PAGEDSERVE_AMX
@@ -48,13 +51,35 @@ inline __m512 exp_nonpositive(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-// Tile (block b, step s), row r, pair lane c = dims 32s + 2r, +1 of key 16b + c; keys past n 0.
+// Row t of a head's pages as bfloat16: the page row itself, or its int8 codes times their
+// scale (convert.h) rounded to bfloat16 in buf.
 template <int64_t D>
-void pack_keys(const PagedRows<at::BFloat16>& k, int64_t n, uint32_t* out) {
+const uint16_t* bf16_row(const PagedRows<at::BFloat16>& rows, int64_t t, uint16_t*) {
+  return reinterpret_cast<const uint16_t*>(rows.at(t));
+}
+
+template <int64_t D>
+const uint16_t* bf16_row(const PagedRows<int8_t>& rows, int64_t t, uint16_t* buf) {
+  const int8_t* row = rows.at(t);
+  const __m512 scale = _mm512_set1_ps(row_scale(row, D));
+  const auto dequant = [&](int64_t i) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + i));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)), scale);
+  };
+  for (int64_t i = 0; i < D; i += 32) {
+    _mm512_storeu_si512(buf + i, (__m512i)_mm512_cvtne2ps_pbh(dequant(i + 16), dequant(i)));
+  }
+  return buf;
+}
+
+// Tile (block b, step s), row r, pair lane c = dims 32s + 2r, +1 of key 16b + c; keys past n 0.
+template <int64_t D, typename C>
+void pack_keys(const PagedRows<C>& k, int64_t n, uint32_t* out) {
   constexpr int64_t kSteps = D / 32;
+  alignas(64) uint16_t buf[D];
   std::memset(out, 0, (n + kRows - 1) / kRows * kSteps * 256 * sizeof(uint32_t));
   for (int64_t key = 0; key < n; ++key) {
-    const auto* pairs = reinterpret_cast<const uint32_t*>(k.at(key));
+    const auto* pairs = reinterpret_cast<const uint32_t*>(bf16_row<D>(k, key, buf));
     uint32_t* col = out + key / kRows * kSteps * 256 + key % kRows;
     for (int64_t s = 0; s < kSteps; ++s) {
       for (int64_t r = 0; r < 16; ++r) col[s * 256 + r * 16] = pairs[s * 16 + r];
@@ -63,10 +88,11 @@ void pack_keys(const PagedRows<at::BFloat16>& k, int64_t n, uint32_t* out) {
 }
 
 // Tile (block b, column t), row r, lane 2c + p = dim 16t + c of key 32b + 2r + p; keys past n 0.
-template <int64_t D>
-void pack_values(const PagedRows<at::BFloat16>& v, int64_t n, uint16_t* out) {
+template <int64_t D, typename C>
+void pack_values(const PagedRows<C>& v, int64_t n, uint16_t* out) {
   constexpr int64_t kCols = D / 16;
   alignas(64) static const uint16_t zeros[D] = {};
+  alignas(64) uint16_t buf_a[D], buf_b[D];
   __m512i lo_idx, hi_idx;  // interleave two rows' first 16 (lo) or last 16 (hi) of 32 dims
   {
     alignas(64) uint16_t lo[32], hi[32];
@@ -78,8 +104,8 @@ void pack_values(const PagedRows<at::BFloat16>& v, int64_t n, uint16_t* out) {
     hi_idx = _mm512_load_si512(hi);
   }
   for (int64_t key = 0; key < (n + 31) / 32 * 32; key += 2) {
-    const auto* a = key < n ? reinterpret_cast<const uint16_t*>(v.at(key)) : zeros;
-    const auto* b = key + 1 < n ? reinterpret_cast<const uint16_t*>(v.at(key + 1)) : zeros;
+    const uint16_t* a = key < n ? bf16_row<D>(v, key, buf_a) : zeros;
+    const uint16_t* b = key + 1 < n ? bf16_row<D>(v, key + 1, buf_b) : zeros;
     uint16_t* row = out + (key / 32 * kCols * 16 + key % 32 / 2) * 32;
     for (int64_t g = 0; g < D / 32; ++g) {
       const __m512i va = _mm512_loadu_si512(a + 32 * g), vb = _mm512_loadu_si512(b + 32 * g);
@@ -208,8 +234,8 @@ void block_values(int64_t ld, int64_t keys, const float* inv_sum, int64_t rows,
 }
 
 // One unit (prefill_attention.h) of head size D.
-template <int64_t D>
-void chunk_head(const PrefillUnit<at::BFloat16>& u, Scratch& s) {
+template <int64_t D, typename C>
+void chunk_head(const PrefillUnit<at::BFloat16, C>& u, Scratch& s) {
   constexpr int64_t kSteps = D / 32, kCols = D / 16;
   const int64_t n_keys = u.n_keys, q_len = u.q_len;
   const int64_t ld = (n_keys + 31) / 32 * 32;  // scores and probabilities a row
@@ -238,10 +264,14 @@ bool prefill_unit_amx_supported(const at::Tensor& q) {
          (q.size(2) == 64 || q.size(2) == 128);
 }
 
-void prefill_unit_amx(const PrefillUnit<at::BFloat16>& u) {
+template <typename C>
+void prefill_unit_amx(const PrefillUnit<at::BFloat16, C>& u) {
   thread_local Scratch scratch;
   _tile_loadconfig(&tile_config());
-  (u.d == 64 ? chunk_head<64> : chunk_head<128>)(u, scratch);
+  (u.d == 64 ? chunk_head<64, C> : chunk_head<128, C>)(u, scratch);
   _tile_release();
 }
+
+template void prefill_unit_amx(const PrefillUnit<at::BFloat16, at::BFloat16>& u);
+template void prefill_unit_amx(const PrefillUnit<at::BFloat16, int8_t>& u);
 #endif
