@@ -132,16 +132,19 @@ def int8_products(level: str, dtype: torch.dtype, bits: int, rows: int) -> bool:
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 8, 9, 16, 33, 70])  # passes of 4 and 8, chunks of 64
-def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows):
+# Passes of 4 and 8 rows, chunks of 32 or 64; at k = 1536 AVX2's chunks are of 16 rows.
+@pytest.mark.parametrize(
+    ("rows", "k"), [*((r, 192) for r in (1, 3, 4, 5, 8, 9, 16, 33, 70)), (40, 1536)]
+)
+def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows, k):
     """With int8_activations, block codes take integer products where the level has them
     (int8_products), float ones elsewhere. Each group's largest activation is 64x the others,
     so the others' int8 codes are coarse and a float32 result visibly not float32 products'."""
     gen = torch.Generator().manual_seed(rows)
-    weight = random_quant(96, 192, bits, gen)
+    weight = random_quant(96, k, bits, gen)
     packed = PackedWeight.pack([weight])
     packed.int8_activations = True
-    x = torch.randn(rows, 192, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
     x[:, ::32] = 64.0
     x = x.to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)

@@ -53,9 +53,27 @@ void parallel_claims(int64_t count, int64_t chunk, const Fn& fn) {
   });
 }
 
-// fn(begin, end) over a linear's column tiles [0, tiles), about an eighth of a thread's even
-// share a claim.
+// Column tiles a claim: about an eighth of a thread's even share.
+inline int64_t tile_claim(int64_t tiles) {
+  return std::max<int64_t>(1, tiles / (8 * at::get_num_threads()));
+}
+
+// fn(begin, end) over a linear's column tiles [0, tiles), tile_claim of them a claim.
 template <typename Fn>
 void parallel_tiles(int64_t tiles, const Fn& fn) {
-  parallel_claims(tiles, std::max<int64_t>(1, tiles / (8 * at::get_num_threads())), fn);
+  parallel_claims(tiles, tile_claim(tiles), fn);
+}
+
+// fn(chunk, begin, end) over chunks of a step's rows x column tiles, claimed as parallel_tiles
+// does, a chunk's claims before the next chunk's: the threads work through one chunk of rows
+// at a time, which stays in their caches.
+template <typename Fn>
+void parallel_chunk_tiles(int64_t chunks, int64_t tiles, const Fn& fn) {
+  const int64_t per = tile_claim(tiles), claims = (tiles + per - 1) / per;
+  parallel_claims(chunks * claims, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t first = u % claims * per;
+      fn(u / claims, first, std::min(first + per, tiles));
+    }
+  });
 }

@@ -8,9 +8,11 @@
 //   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
 //   a + 128 is, and 128 * sum(c) comes off each group's sum.
 // - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes are
-//   shared by every row of the chunk. Eight-bit codes are signed: |c| times a with c's sign
-//   (vpsignb), each product pair widened at once; from kInt8EightBitMinRows rows on
-//   (quant_kernels.h).
+//   shared by every row of the chunk. Each 4 inputs of a row are stored 8 times over at
+//   quantization (kPickCopies: 32 bytes), read by a plain load, for four-bit codes as
+//   vpmaddubsw's memory operand: a broadcast a product had cost 15-20% of the linear's time
+//   on AMD Zen 1. Eight-bit codes are signed: |c| times a with c's sign (vpsignb), each
+//   product pair widened at once; from kInt8EightBitMinRows rows on (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
 //   activation pair repeated; both lanes of a column are added once per group. Four-bit
@@ -36,9 +38,19 @@ namespace {
 
 constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
 
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
 #ifdef PAGEDSERVE_AVX2
 
 using ActCode = uint8_t;  // the byte operand of vpmaddubsw / vpdpbusd
+
+// Copies of each 4 codes a quantized row holds: 8 (a 32-byte register's worth) where
+// vpmaddubsw multiplies them, 1 for vpdpbusd's broadcasts.
+constexpr int64_t kPickCopies = kVnni ? 1 : 8;
 
 inline float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -55,6 +67,7 @@ inline float reduce_max(__m256 v) {
 // (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
 // column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
 // ones. Eight-bit codes': inputs in order, a + 128 (unsigned) for vpdpbusd, a for vpsignb.
+// Stored as kPickCopies copies of each 4 codes (32 * kPickCopies bytes).
 template <bool kNibbleOrder, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
@@ -79,15 +92,22 @@ inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum)
   // then their last four; the same permutation puts each block's two together.
   __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
-  if constexpr (!kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
-#endif
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+  if constexpr (kVnni && !kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+  if constexpr (kPickCopies == 8) {
+    for (int j = 0; j < 8; ++j) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(codes) + j,
+                         _mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(j)));
+    }
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
+  }
 }
 
 #else  // portable
 
 using ActCode = int16_t;  // int8 values, widened once here rather than at every product
+
+constexpr int64_t kPickCopies = 1;
 
 // One group of 32 inputs -> 32 codes in input order (both code widths), its scale and sum.
 template <bool /*kNibbleOrder*/, typename T>
@@ -109,13 +129,14 @@ inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum)
 
 // Rows of x quantized per group.
 struct QuantizedRows {
-  const ActCode* codes;  // [m, k]
+  const ActCode* codes;  // [m, stride]
   const float* scale;    // [m, groups]
   const float* sum;      // [m, groups]
+  int64_t stride;        // codes a row: k * kPickCopies
 
   QuantizedRows rows_from(int64_t i, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {codes + i * k, scale + i * groups, sum + i * groups};
+    return {codes + i * stride, scale + i * groups, sum + i * groups, stride};
   }
 };
 
@@ -123,20 +144,23 @@ template <bool kNibbleOrder, typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   thread_local std::vector<ActCode> codes_buf;  // plain memory: ~120 calls a step
   thread_local std::vector<float> scale_buf, sum_buf;
+  constexpr int64_t kGroupCodes = kGroup * kPickCopies;
+  constexpr int64_t kLine = 64 / sizeof(ActCode);  // codes a cache line
   const int64_t groups = k / kGroup;
-  codes_buf.resize(m * k);
+  codes_buf.resize(m * groups * kGroupCodes + kLine);
   scale_buf.resize(m * groups);
   sum_buf.resize(m * groups);
   // The pool's threads would see their own thread_local vectors: they get this one's memory.
   ActCode* codes = codes_buf.data();
+  codes += (kLine - reinterpret_cast<uintptr_t>(codes) / sizeof(ActCode) % kLine) % kLine;
   float* scale = scale_buf.data();
   float* sum = sum_buf.data();
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group<kNibbleOrder>(x + i * kGroup, codes + i * kGroup, scale + i, sum + i);
+      quantize_group<kNibbleOrder>(x + i * kGroup, codes + i * kGroupCodes, scale + i, sum + i);
     }
   });
-  return {codes, scale, sum};
+  return {codes, scale, sum, groups * kGroupCodes};
 }
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
@@ -162,7 +186,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w
       for (int i = 0; i < R; ++i) {
         // Two 4-byte loads, each broadcast from memory (a load port): one 8-byte load came
         // out as a shift and a broadcast from a general register, on the port vpdpbusd needs.
-        const ActCode* a = x.codes + i * k + g * kGroup + 8 * q;
+        const ActCode* a = x.codes + i * x.stride + g * kGroup + 8 * q;
         acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_broadcastd_epi32(_mm_loadu_si32(a)));
         acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)));
       }
@@ -200,7 +224,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<8>& w
       code_sum = _mm512_dpbusd_epi32(code_sum, ones, v);
       for (int i = 0; i < R; ++i) {
         int32_t a;
-        std::memcpy(&a, x.codes + i * k + g * kGroup + 4 * s, sizeof a);
+        std::memcpy(&a, x.codes + i * x.stride + g * kGroup + 4 * s, sizeof a);
         acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a), v);
       }
     }
@@ -270,15 +294,12 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
         __m256 d, m;
         scales8(w, nt, g, 0, h, d, m);
         for (int64_t i = 0; i < rows; ++i) {
-          const uint8_t* a = x.codes + i * k + g * kGroup;
+          // Inputs 4j..4j + 3 in every 32-bit lane of a[j] (kPickCopies).
+          const auto* a = reinterpret_cast<const __m256i*>(x.codes + i * x.stride) + g * 8;
           // 16-bit sums of 8 sums of product pairs: at most 8 * 2 * 15 * 127 = 30,480.
           // Summed as a tree: a chain of 8 additions would wait on each other.
           __m256i p[8];
-          for (int j = 0; j < 8; ++j) {
-            int32_t pick;
-            std::memcpy(&pick, a + 4 * j, sizeof pick);
-            p[j] = _mm256_maddubs_epi16(code[j], _mm256_set1_epi32(pick));
-          }
+          for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
           for (int half = 4; half > 0; half /= 2) {
             for (int j = 0; j < half; ++j) p[j] = _mm256_add_epi16(p[j], p[j + half]);
           }
@@ -330,12 +351,10 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 8 + 4 * h)));
         const __m256 d = _mm256_cvtph_ps(halves);
         for (int64_t i = 0; i < rows; ++i) {
-          const uint8_t* a = x.codes + i * k + g * kGroup;
+          const auto* a = reinterpret_cast<const __m256i*>(x.codes + i * x.stride) + g * 8;
           const auto product = [&](int s) {  // 4 inputs x 8 columns, summed per column
-            int32_t pick;
-            std::memcpy(&pick, a + 4 * s, sizeof pick);
             const __m256i sign = _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[s]));
-            const __m256i signed_a = _mm256_sign_epi8(_mm256_set1_epi32(pick), sign);
+            const __m256i signed_a = _mm256_sign_epi8(_mm256_load_si256(a + s), sign);
             return _mm256_madd_epi16(_mm256_maddubs_epi16(size[s], signed_a), ones);
           };
           // Summed in pairs as they come: the 8 codes' registers leave few for products.
@@ -440,7 +459,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const F& w, int64_t nt,
   F32x4 out[R][kVecs] = {};
   for (int64_t g = 0; g < groups; ++g) {
     I32x4 acc[R][kVecs];
-    group_sums<R>(w, nt, g, x.codes + g * kGroup, k, acc);
+    group_sums<R>(w, nt, g, x.codes + g * kGroup, x.stride, acc);
     float d[2][kTileCols], m[2][kTileCols];
     w.group_scales(nt, g, d, m);
     for (int v = 0; v < kVecs; ++v) {
@@ -482,14 +501,22 @@ template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n) {
   const QuantizedRows q = quantize_rows<F::kBits == 4>(x, m, k);
-  // Each thread takes its column tiles through every chunk of rows: one parallel region, not
-  // one a chunk (a 2048-token prefill step met ~4,000 barriers).
-  parallel_tiles(n / kTileCols, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < m; m0 += kChunkRows) {
-      chunk_tiles(q.rows_from(m0, k), std::min(kChunkRows, m - m0), k, w, bias, y + m0 * n, n,
-                  begin, end);
-    }
-  });
+  // Copied codes (kPickCopies) are 8 times the bytes: chunks of at most 256 KB of them stay in
+  // L2 beside the tiles (32 rows at k = 576, 16 at k = 1536; 64 and 32 rows measured 2-10%
+  // slower on AMD Zen 1).
+  const int64_t chunk =
+      kPickCopies > 1
+          ? std::clamp<int64_t>((256 << 10) / (kPickCopies * k) / 8 * 8, 8, kChunkRows / 2)
+          : kChunkRows;
+  // One parallel region, not one a chunk (a 2048-token prefill step met ~4,000 barriers); the
+  // threads claim a chunk's tiles before the next chunk's, so each chunk is read from memory
+  // once (a claim's tiles through every chunk had streamed all of x per claim).
+  parallel_chunk_tiles((m + chunk - 1) / chunk, n / kTileCols,
+                       [&](int64_t c, int64_t begin, int64_t end) {
+                         const int64_t m0 = c * chunk;
+                         chunk_tiles(q.rows_from(m0, k), std::min(chunk, m - m0), k, w, bias,
+                                     y + m0 * n, n, begin, end);
+                       });
 }
 
 #define INSTANTIATE(F)                                                                        \
