@@ -87,9 +87,11 @@ void decode_unit(const T* q, const C* kc, const C* vc, T* out, const int64_t* pa
 // multiple of 32. The portable loops reduced every (token, head) dot product across lanes on
 // its own and copied each row before use: 16 GFLOP/s at batch 32 (a fifth of a decode step at
 // avx2).
-// Here scores are summed over 4 tokens x up to 3 heads at once (12 accumulators; the query
+// Here scores are summed over 2 tokens x up to 3 heads at once (6 accumulators; the query
 // rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
-// keeps 3 heads x 32 dims in registers over all tokens.
+// keeps 3 heads x 16 dims in registers over all tokens. AVX2 has 16 registers: 4 tokens x 3
+// heads and 3 heads x 32 dims had kept an accumulator, or all of them, on the stack (a store
+// and a reload each token: decode attention ~3x its FMAs' time on AMD Zen 1).
 
 // The lane sums of v[0..7], in order.
 inline __m256 lane_sums(const __m256* v) {
@@ -129,25 +131,22 @@ inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, f
       prefetch_row(row(t), d);
     }
     __m256 part[G][8];
-    for (int64_t u0 = 0; u0 < 8; u0 += 4) {
+    for (int64_t u0 = 0; u0 < 8; u0 += 2) {
       const auto* r0 = row(std::min(t0 + u0, n - 1));
       const auto* r1 = row(std::min(t0 + u0 + 1, n - 1));
-      const auto* r2 = row(std::min(t0 + u0 + 2, n - 1));
-      const auto* r3 = row(std::min(t0 + u0 + 3, n - 1));
-      __m256 a[G][4];
-      for (int64_t j = 0; j < G; ++j) {
-        for (int u = 0; u < 4; ++u) a[j][u] = _mm256_setzero_ps();
-      }
+      __m256 a[G][2];
+      for (int64_t j = 0; j < G; ++j) a[j][0] = a[j][1] = _mm256_setzero_ps();
       for (int64_t c = 0; c < d; c += 8) {
-        const __m256 k[4] = {load8_f32(r0 + c), load8_f32(r1 + c), load8_f32(r2 + c),
-                             load8_f32(r3 + c)};
+        const __m256 k0 = load8_f32(r0 + c), k1 = load8_f32(r1 + c);
         for (int64_t j = 0; j < G; ++j) {
           const __m256 qj = _mm256_loadu_ps(qf + j * d + c);
-          for (int u = 0; u < 4; ++u) a[j][u] = _mm256_fmadd_ps(k[u], qj, a[j][u]);
+          a[j][0] = _mm256_fmadd_ps(k0, qj, a[j][0]);
+          a[j][1] = _mm256_fmadd_ps(k1, qj, a[j][1]);
         }
       }
       for (int64_t j = 0; j < G; ++j) {
-        for (int u = 0; u < 4; ++u) part[j][u0 + u] = a[j][u];
+        part[j][u0] = a[j][0];
+        part[j][u0 + 1] = a[j][1];
       }
     }
     // Tokens past n repeat the last one: their scores land in the padding.
@@ -165,31 +164,35 @@ inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, f
   }
 }
 
-// out[j * d + c] for query heads [0, G), dims [c0, c0 + 32): sum over tokens of p * value.
+constexpr int64_t kValueDims = 16;  // dims of the values a pass over the tokens sums
+
+// out[j * d + c] for query heads [0, G), dims [c0, c0 + kValueDims): sum over tokens of
+// p * value.
 template <int64_t G, typename T, typename Row>
 inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row& row,
                         int64_t c0, int64_t d, T* out) {
-  __m256 acc[G][4];
-  for (int64_t j = 0; j < G; ++j) {
-    for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_setzero_ps();
-  }
+  __m256 acc[G][2];
+  for (int64_t j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, 32);
+    if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, kValueDims);
     const auto* r = row(t) + c0;
-    __m256 v[4] = {load8_f32(r), load8_f32(r + 8), load8_f32(r + 16), load8_f32(r + 24)};
+    __m256 v0 = load8_f32(r), v1 = load8_f32(r + 8);
     if constexpr (std::is_same_v<RowElement<Row>, int8_t>) {
       const __m256 scale = _mm256_set1_ps(row_scale(row(t), d));
-      for (int i = 0; i < 4; ++i) v[i] = _mm256_mul_ps(v[i], scale);
+      v0 = _mm256_mul_ps(v0, scale);
+      v1 = _mm256_mul_ps(v1, scale);
     }
     for (int64_t j = 0; j < G; ++j) {
       const __m256 p = _mm256_broadcast_ss(probs + j * stride + t);
-      for (int i = 0; i < 4; ++i) acc[j][i] = _mm256_fmadd_ps(p, v[i], acc[j][i]);
+      acc[j][0] = _mm256_fmadd_ps(p, v0, acc[j][0]);
+      acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);
     }
   }
-  alignas(32) float sums[32];
+  alignas(32) float sums[kValueDims];
   for (int64_t j = 0; j < G; ++j) {
-    for (int i = 0; i < 4; ++i) _mm256_store_ps(sums + 8 * i, acc[j][i]);
-    for (int i = 0; i < 32; ++i) out[j * d + c0 + i] = from_f<T>(sums[i]);
+    _mm256_store_ps(sums, acc[j][0]);
+    _mm256_store_ps(sums + 8, acc[j][1]);
+    for (int i = 0; i < kValueDims; ++i) out[j * d + c0 + i] = from_f<T>(sums[i]);
   }
 }
 
@@ -198,7 +201,9 @@ inline void unit_heads(const float* qf, int64_t d, int64_t n, const Keys& keys,
                        const Values& values, float* scores, int64_t stride, T* out) {
   unit_scores<G>(qf, d, n, keys, scores, stride);
   for (int64_t j = 0; j < G; ++j) softmax_(scores + j * stride, n);
-  for (int64_t c0 = 0; c0 < d; c0 += 32) unit_values<G>(scores, stride, n, values, c0, d, out);
+  for (int64_t c0 = 0; c0 < d; c0 += kValueDims) {
+    unit_values<G>(scores, stride, n, values, c0, d, out);
+  }
 }
 
 // Each token's row offset in the cache for KV head h, once (a division by the page size a row
