@@ -403,7 +403,7 @@ inline I32x4 column_sums(I16x8 v) {
 // A group's integer sums, four-bit codes: acc[i][v] = row i's, columns [4v, 4v + 4).
 template <int R>
 inline void group_sums(const BlockFormat<4>& w, int64_t nt, int64_t g, const ActCode* a,
-                       int64_t k, I32x4 (&acc)[R][kVecs]) {
+                       int64_t stride, I32x4 (&acc)[R][kVecs]) {
   const uint8_t* c = w.tile(nt, g);
   I16x8 sums[R][kVecs] = {};
   for (int q = 0; q < 4; ++q) {
@@ -415,7 +415,7 @@ inline void group_sums(const BlockFormat<4>& w, int64_t nt, int64_t g, const Act
         codes[v] = reinterpret_cast<I16x8>((words[v] >> (4 * n)) & 0xF);
       }
       for (int i = 0; i < R; ++i) {
-        const I16x8 pair = pair_lanes(a + i * k, 4 * q + n);
+        const I16x8 pair = pair_lanes(a + i * stride, 4 * q + n);
         for (int v = 0; v < kVecs; ++v) sums[i][v] += codes[v] * pair;
       }
     }
@@ -428,7 +428,7 @@ inline void group_sums(const BlockFormat<4>& w, int64_t nt, int64_t g, const Act
 // Eight-bit codes: two rows' products summed in 16 bits, then widened.
 template <int R>
 inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const ActCode* a,
-                       int64_t k, I32x4 (&acc)[R][kVecs]) {
+                       int64_t stride, I32x4 (&acc)[R][kVecs]) {
   const uint8_t* c = w.tile(nt, g);
   for (int i = 0; i < R; ++i) {
     for (int v = 0; v < kVecs; ++v) acc[i][v] = I32x4{};
@@ -443,7 +443,7 @@ inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const Act
       }
     }
     for (int i = 0; i < R; ++i) {
-      const I16x8 p0 = pair_lanes(a + i * k, r), p1 = pair_lanes(a + i * k, r + 1);
+      const I16x8 p0 = pair_lanes(a + i * stride, r), p1 = pair_lanes(a + i * stride, r + 1);
       for (int v = 0; v < kVecs; ++v) {
         acc[i][v] += column_sums(codes[0][v] * p0 + codes[1][v] * p1);
       }
