@@ -3,8 +3,11 @@ this CPU runs, against float32 products with the dense matrix."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
 
 from pagedserve.cpu_kernels import ops_for
 from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
@@ -16,16 +19,29 @@ LEVELS = levels_supported()
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+def quant_weight(codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None):
+    """The GGUF blocks of codes [n, k] (uint8 below 16, or int8), float16 scales [n, k / 32]
+    and offsets: Q4_1 (d, m, nibbles of inputs i and i + 16) or, without offsets, Q8_0."""
+    n, k = codes.shape
+    d = scale.half().view(torch.uint8).view(n, k // 32, 2)
+    groups = codes.view(torch.uint8).view(n, k // 32, 32)
+    if offset is None:
+        return QuantWeight(torch.cat([d, groups], -1).view(n, -1), GGMLQuantizationType.Q8_0)
+    m = offset.half().view(torch.uint8).view(n, k // 32, 2)
+    nibbles = groups[..., :16] | groups[..., 16:] << 4
+    return QuantWeight(torch.cat([d, m, nibbles], -1).view(n, -1), GGMLQuantizationType.Q4_1)
+
+
 def random_quant(n: int, k: int, bits: int, gen: torch.Generator) -> QuantWeight:
-    """A random block-quantized [n, k] matrix: Q4_1-like codes with offsets, or Q8_0-like."""
-    scale = (torch.rand(n, k // 32, generator=gen) * 0.05).half().float()  # float16 values
+    """A random block-quantized [n, k] matrix: Q4_1 codes with offsets, or Q8_0."""
+    scale = torch.rand(n, k // 32, generator=gen) * 0.05
     if bits == 4:
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        offset = (torch.randn(n, k // 32, generator=gen) * 0.2).half().float()
+        offset = torch.randn(n, k // 32, generator=gen) * 0.2
     else:
         codes = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
         offset = None
-    return QuantWeight(codes, scale, offset, bits)
+    return quant_weight(codes, scale, offset)
 
 
 def slack(x: torch.Tensor, dense: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
@@ -73,6 +89,25 @@ def test_rows_are_exact(level, dtype, bits):
 
 
 @pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_packed_blocks_hold_gguf_dequantization(level, qtype):
+    """Blocks that gguf quantized, packed as they lie in the file (a fused weight of two
+    parts), give back gguf's dequantized rows exactly, and their codes and scales as such."""
+    qtype = GGMLQuantizationType[qtype]
+    rng = np.random.default_rng(int(qtype))
+    parts = [quantize(rng.standard_normal((r, 96), dtype=np.float32), qtype) for r in (48, 16)]
+    weights = [QuantWeight(torch.from_numpy(p), qtype) for p in parts]
+    packed = PackedWeight.pack(weights)
+    dense = torch.from_numpy(np.concatenate([dequantize(p, qtype) for p in parts]))
+    assert torch.equal(torch.cat([w.dense for w in weights]), dense)
+    ids = torch.arange(64)
+    got = ops_for(level).quant_rows(
+        ids, packed.codes, packed.scales, packed.offsets, packed.bits, torch.float32
+    )
+    assert torch.equal(got, dense)
+
+
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("rows", [1, 8, 16])
 @pytest.mark.parametrize("int8", [False, True])
@@ -82,8 +117,8 @@ def test_extreme_codes_and_activations(level, bits, rows, int8):
     n, k = 32, 256
     top = 15 if bits == 4 else -128
     codes = torch.full((n, k), top, dtype=torch.uint8 if bits == 4 else torch.int8)
-    scale = torch.full((n, k // 32), 0.01).half().float()  # GGUF's scales are float16
-    weight = QuantWeight(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None, bits)
+    scale = torch.full((n, k // 32), 0.01)
+    weight = quant_weight(codes, scale, torch.full_like(scale, 0.5) if bits == 4 else None)
     packed = PackedWeight.pack([weight])
     packed.int8_activations = int8
     x = torch.full((rows, k), 3.0)

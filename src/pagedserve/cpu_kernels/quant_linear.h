@@ -3,6 +3,8 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <tuple>
+
 // y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
 // and the bias float32 or bf16 (x's dtype). With `int8_activations`, W multiplies x quantized to
 // int8 per group where the level has integer products for its codes (quant_linear_int8.cpp);
@@ -26,3 +28,9 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
 
 at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
                        const at::Tensor& subs, int64_t bits, at::ScalarType dtype);
+
+// GGUF's Q4_0 / Q4_1 / Q8_0 matrix (`ggml_type` 2, 3 or 8), its blocks as in the file, uint8
+// [N, K / 32 * block bytes], packed for the functions above: codes, scales and offsets (none for
+// Q8_0) in quant_layout.h's layout (quant_pack.cpp).
+std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
+    const at::Tensor& blocks, int64_t ggml_type);

@@ -74,15 +74,57 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 
 @dataclass
 class QuantWeight:
-    """A block-quantized GGUF matrix kept as codes: weight[n, k] = codes[n, k] * scale[n, g]
-    (+ offset[n, g]) with g = k // 32. `dense` is the same matrix dequantized, made only when
-    asked for (a matrix the CPU kernels take packed never is: ~1 s of the default model's
-    start)."""
+    """A block-quantized GGUF matrix (Q4_0, Q4_1, Q8_0) as its file's blocks, which the CPU
+    kernels pack as they are (models/quant_weight.py). As codes: weight[n, k] = codes[n, k] *
+    scale[n, g] (+ offset[n, g]) with g = k // 32; those and `dense`, the matrix dequantized,
+    are made only when asked for (a matrix the kernels take packed never is)."""
 
-    codes: torch.Tensor  # [N, K]: uint8 in 0..15 (4 bits) or int8 (8 bits)
-    scale: torch.Tensor  # [N, K / 32] float32 (float16 values)
-    offset: torch.Tensor | None  # [N, K / 32] float32, None for Q8_0
-    bits: int
+    blocks: torch.Tensor  # uint8 [N, K / 32 * block bytes], rows of blocks as in the file
+    qtype: GGMLQuantizationType
+
+    @property
+    def bits(self) -> int:
+        return QUANT_TYPES[self.qtype]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        rows, row_bytes = self.blocks.shape
+        return rows, row_bytes // GGML_QUANT_SIZES[self.qtype][1] * QUANT_GROUP
+
+    @functools.cached_property
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """codes, scale and offset: Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes) or Q8_0
+        (d, 32 bytes) blocks of 32."""
+        header = 4 if self.qtype == GGMLQuantizationType.Q4_1 else 2
+        rows = self.blocks.shape[0]
+        blocks = self.blocks.numpy().reshape(-1, GGML_QUANT_SIZES[self.qtype][1])
+        d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+        qs = blocks[:, header:]
+        if self.qtype == GGMLQuantizationType.Q8_0:
+            codes, m = qs.view(np.int8), None
+        elif self.qtype == GGMLQuantizationType.Q4_0:
+            m = -8 * d
+        else:
+            m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+        if self.qtype != GGMLQuantizationType.Q8_0:
+            codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles, then high
+        return (
+            torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
+            torch.from_numpy(d.reshape(rows, -1)),
+            None if m is None else torch.from_numpy(m.reshape(rows, -1)),
+        )
+
+    @property
+    def codes(self) -> torch.Tensor:  # [N, K]: uint8 in 0..15 (4 bits) or int8 (8 bits)
+        return self._unpacked[0]
+
+    @property
+    def scale(self) -> torch.Tensor:  # [N, K / 32] float32 (float16 values)
+        return self._unpacked[1]
+
+    @property
+    def offset(self) -> torch.Tensor | None:  # [N, K / 32] float32, None for Q8_0
+        return self._unpacked[2]
 
     @functools.cached_property
     def dense(self) -> torch.Tensor:
@@ -92,10 +134,7 @@ class QuantWeight:
         return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(n, k)
 
     def permute_rows(self, n_heads: int) -> QuantWeight:
-        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else torch.from_numpy(_unpermute(t.numpy(), n_heads))
-
-        return QuantWeight(rows(self.codes), rows(self.scale), rows(self.offset), self.bits)
+        return QuantWeight(torch.from_numpy(_unpermute(self.blocks.numpy(), n_heads)), self.qtype)
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.offset, self.dense) if t is not None)
@@ -113,6 +152,10 @@ class KQuantWeight:
     supers: torch.Tensor  # [N, K / 256, 2 (Q4_K, Q5_K) or 1 (Q6_K)] float32 (float16 values)
     dense: torch.Tensor  # [N, K] float32
     bits: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape
 
     def permute_rows(self, n_heads: int) -> KQuantWeight:
         def rows(t: torch.Tensor) -> torch.Tensor:
@@ -165,29 +208,6 @@ def _kquant_codes(
         torch.from_numpy(np.ascontiguousarray(supers).reshape(rows, k // K_SUPER, -1)),
         torch.from_numpy(dense),
         K_QUANT_TYPES[qtype],
-    )
-
-
-def _quant_codes(
-    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
-) -> QuantWeight:
-    """Unpack Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes) or Q8_0 (d, 32 bytes) blocks of 32."""
-    header = 4 if qtype == GGMLQuantizationType.Q4_1 else 2
-    blocks = np.asarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    qs = blocks[:, header:]
-    if qtype == GGMLQuantizationType.Q8_0:
-        codes, m = qs.view(np.int8), None
-    else:
-        m = -8 * d if qtype == GGMLQuantizationType.Q4_0 else blocks[:, 2:4].copy().view(np.float16)
-        m = m.astype(np.float32)
-        codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles first, then high
-    rows, groups = shape[0], shape[1] // QUANT_GROUP
-    return QuantWeight(
-        torch.from_numpy(codes.reshape(shape).copy()),
-        torch.from_numpy(d.reshape(rows, groups)),
-        None if m is None else torch.from_numpy(m.reshape(rows, groups)),
-        QUANT_TYPES[qtype],
     )
 
 
@@ -289,7 +309,7 @@ def iter_weights(
     types are dequantized, said in one log line.
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
     index = _index(path)
-    file = np.memmap(path, mode="r")
+    file = np.memmap(path, mode="c")  # copy on write: torch takes its views (never written)
     dequantized: collections.Counter[str] = collections.Counter()
     llama_layout = cfg.architecture == "LlamaForCausalLM"
     for t in index.tensors:
@@ -308,11 +328,12 @@ def iter_weights(
         if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = rows // cfg.head_dim
         if keep_quant and cut is None and len(shape) == 2:
-            unpack = _quant_codes if qtype in QUANT_TYPES else None
-            if qtype in K_QUANT_TYPES:
-                unpack = _kquant_codes
-            if unpack is not None:
-                weight = unpack(data, qtype, shape)
+            weight = None
+            if qtype in QUANT_TYPES:
+                weight = QuantWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype)
+            elif qtype in K_QUANT_TYPES:
+                weight = _kquant_codes(data, qtype, shape)
+            if weight is not None:
                 yield name, weight if heads is None else weight.permute_rows(heads)
                 continue
         if keep_quant and qtype not in FLOAT_TYPES | QUANT_TYPES.keys() | K_QUANT_TYPES.keys():
