@@ -6,8 +6,16 @@ import argparse
 import dataclasses
 import logging
 import sys
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from pagedserve.flags import add_dataclass_flags, dataclass_from_args
+
+if TYPE_CHECKING:
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine import LLMEngine
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -39,9 +47,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         from pagedserve.ray_serve.launch import run_data_parallel
 
         return run_data_parallel(engine, server, dp)
-    from pagedserve.server.api_server import run_server
+    load_engine = _load_in_background(engine)
+    from pagedserve.server.api_server import run_server  # FastAPI, gRPC: ~0.7 s of imports
 
-    return run_server(engine, server)
+    return run_server(load_engine, server)
+
+
+def _load_in_background(config: EngineConfig) -> Callable[[], LLMEngine]:
+    """Start building the engine now, in a thread, so that the server's imports and start
+    overlap it (its packing and tokenizer work mostly outside the GIL); the callable waits
+    for the engine, or raises what stopped it."""
+    from pagedserve.engine import LLMEngine
+    from pagedserve.models.loader import use_one_malloc_arena
+
+    done: Future[LLMEngine] = Future()
+
+    def load() -> None:
+        try:
+            done.set_result(LLMEngine(config))
+        except BaseException as e:  # noqa: BLE001 - re-raised by the waiting caller
+            done.set_exception(e)
+
+    use_one_malloc_arena()
+    threading.Thread(target=load, name="pagedserve-load", daemon=True).start()
+    return done.result
 
 
 def _cmd_bench_offline(args: argparse.Namespace) -> int:

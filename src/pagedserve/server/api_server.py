@@ -28,7 +28,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedserve import __version__
-from pagedserve.config import EngineConfig
 from pagedserve.cpu_kernels import isa
 from pagedserve.engine import LLMEngine
 from pagedserve.server import chat, completions
@@ -288,9 +287,10 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> int:
-    """Serve until SIGTERM/SIGINT; the process exit code."""
-    app = create_app(server_config, lambda: LLMEngine(engine_config))
+def run_server(load_engine: Callable[[], LLMEngine], server_config: ServerConfig) -> int:
+    """Serve until SIGTERM/SIGINT; the process exit code. `load_engine` runs in a thread while
+    /health answers 503."""
+    app = create_app(server_config, load_engine)
     state: ServerState = app.state.server
     uv_config = uvicorn.Config(
         app,
