@@ -11,7 +11,7 @@ from gguf.quants import dequantize
 
 from pagedserve.cpu_kernels import ops_for
 from pagedserve.cpu_kernels.isa import levels_supported
-from pagedserve.models.gguf_file import _kquant_codes
+from pagedserve.models.gguf_file import KQuantWeight
 from pagedserve.models.quant_weight import KPackedWeight, pack, packable
 
 LEVELS = levels_supported()
@@ -43,7 +43,7 @@ def weights(qtype, shapes, seed: int):
     parts, dense = [], []
     for n, k in shapes:
         raw = random_blocks(qtype, n, k, rng)
-        parts.append(_kquant_codes(raw, qtype, (n, k)))
+        parts.append(KQuantWeight(torch.from_numpy(raw), qtype))
         dense.append(torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32)))
     return parts, torch.cat(dense)
 

@@ -55,8 +55,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _load_in_background(config: EngineConfig) -> Callable[[], LLMEngine]:
     """Start building the engine now, in a thread, so that the server's imports and start
-    overlap it (its packing and tokenizer work mostly outside the GIL); the callable waits
-    for the engine, or raises what stopped it."""
+    overlap it (its weights' packing runs in C++ without the GIL); the callable waits for the
+    engine, or raises what stopped it."""
     from pagedserve.engine import LLMEngine
     from pagedserve.models.loader import use_one_malloc_arena
 

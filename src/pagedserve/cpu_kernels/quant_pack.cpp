@@ -43,7 +43,8 @@ void put_bytes(const uint8_t* qs, int64_t c, uint8_t* tile) {
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(const at::Tensor& blocks, int64_t ggml_type) {
+std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
+    const at::Tensor& blocks, int64_t ggml_type) {
   TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
               "pack_quant_blocks: GGML type ", ggml_type, " is not Q4_0, Q4_1 or Q8_0");
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
@@ -58,11 +59,12 @@ std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
   auto codes = blocks.new_empty({tiles, groups, tile_bytes});
   auto half = blocks.options().dtype(at::kHalf);
   auto scales = blocks.new_empty({tiles, groups, kTileCols}, half);
-  auto offsets = blocks.new_empty({eight ? 0 : tiles, groups, kTileCols}, half);
+  c10::optional<at::Tensor> offsets;
+  if (!eight) offsets = blocks.new_empty({tiles, groups, kTileCols}, half);
   const uint8_t* in = blocks.const_data_ptr<uint8_t>();
   uint8_t* out = codes.mutable_data_ptr<uint8_t>();
   c10::Half* d_out = scales.mutable_data_ptr<c10::Half>();
-  c10::Half* m_out = offsets.mutable_data_ptr<c10::Half>();
+  c10::Half* m_out = eight ? nullptr : offsets->mutable_data_ptr<c10::Half>();
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t g = 0; g < groups; ++g) {
@@ -77,11 +79,10 @@ std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
             continue;
           }
           // Q4_0's codes are offset by 8: m = -8 d, exact in float16 (a power of two).
-          m_out[at_tg + c] = with_min ? half_at(block + 2) : c10::Half(-8.0f * static_cast<float>(d));
+          m_out[at_tg + c] = with_min ? half_at(block + 2) : c10::Half(-8.f * float(d));
           put_nibbles(block + header, c, tile);
         }
       }
   });
-  if (eight) return {codes, scales, c10::nullopt};
   return {codes, scales, offsets};
 }

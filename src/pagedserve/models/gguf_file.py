@@ -7,6 +7,7 @@ import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Self
 
 import numpy as np
 import torch
@@ -73,41 +74,58 @@ FLOAT_TYPES = {GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizat
 
 
 @dataclass
-class QuantWeight:
-    """A block-quantized GGUF matrix (Q4_0, Q4_1, Q8_0) as its file's blocks, which the CPU
-    kernels pack as they are (models/quant_weight.py). As codes: weight[n, k] = codes[n, k] *
-    scale[n, g] (+ offset[n, g]) with g = k // 32; those and `dense`, the matrix dequantized,
-    are made only when asked for (a matrix the kernels take packed never is)."""
+class _FileBlocks:
+    """A quantized GGUF matrix as its file's blocks, kept as they are for the CPU kernels to
+    pack (models/quant_weight.py); its codes and scales, and `dense` (the matrix dequantized by
+    gguf), are made only when asked for: a matrix the kernels take packed never needs `dense`,
+    and the loader holds every layer's weights before packing them."""
 
-    blocks: torch.Tensor  # uint8 [N, K / 32 * block bytes], rows of blocks as in the file
+    blocks: torch.Tensor  # uint8 [N, K / block size * block bytes], rows of blocks as in the file
     qtype: GGMLQuantizationType
-
-    @property
-    def bits(self) -> int:
-        return QUANT_TYPES[self.qtype]
 
     @property
     def shape(self) -> tuple[int, int]:
         rows, row_bytes = self.blocks.shape
-        return rows, row_bytes // GGML_QUANT_SIZES[self.qtype][1] * QUANT_GROUP
+        size, type_size = GGML_QUANT_SIZES[self.qtype]
+        return rows, row_bytes // type_size * size
+
+    @functools.cached_property
+    def dense(self) -> torch.Tensor:
+        """[N, K] float32, gguf's dequantization."""
+        array = dequantize(self.blocks.numpy(), self.qtype).astype(np.float32, copy=False)
+        return torch.from_numpy(array.reshape(self.shape))
+
+    def permute_rows(self, n_heads: int) -> Self:
+        return type(self)(torch.from_numpy(_unpermute(self.blocks.numpy(), n_heads)), self.qtype)
+
+    def _split(self) -> np.ndarray:
+        """The blocks, one a row."""
+        return self.blocks.numpy().reshape(-1, GGML_QUANT_SIZES[self.qtype][1])
+
+
+class QuantWeight(_FileBlocks):
+    """Q4_0, Q4_1 or Q8_0: weight[n, k] = codes[n, k] * scale[n, g] (+ offset[n, g]) with
+    g = k // 32."""
+
+    @property
+    def bits(self) -> int:
+        return QUANT_TYPES[self.qtype]
 
     @functools.cached_property
     def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """codes, scale and offset: Q4_0 (d, 16 bytes), Q4_1 (d, m, 16 bytes) or Q8_0
         (d, 32 bytes) blocks of 32."""
         header = 4 if self.qtype == GGMLQuantizationType.Q4_1 else 2
-        rows = self.blocks.shape[0]
-        blocks = self.blocks.numpy().reshape(-1, GGML_QUANT_SIZES[self.qtype][1])
+        rows, blocks = self.shape[0], self._split()
         d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
         qs = blocks[:, header:]
         if self.qtype == GGMLQuantizationType.Q8_0:
             codes, m = qs.view(np.int8), None
-        elif self.qtype == GGMLQuantizationType.Q4_0:
-            m = -8 * d
         else:
-            m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
-        if self.qtype != GGMLQuantizationType.Q8_0:
             codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)  # low nibbles, then high
+            m = -8 * d
+            if self.qtype == GGMLQuantizationType.Q4_1:
+                m = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
         return (
             torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, -1)),
             torch.from_numpy(d.reshape(rows, -1)),
@@ -126,89 +144,75 @@ class QuantWeight:
     def offset(self) -> torch.Tensor | None:  # [N, K / 32] float32, None for Q8_0
         return self._unpacked[2]
 
-    @functools.cached_property
-    def dense(self) -> torch.Tensor:
-        """[N, K] float32, equal to gguf's dequantization (the same two float32 roundings)."""
-        n, k = self.codes.shape
-        w = self.codes.view(n, k // QUANT_GROUP, QUANT_GROUP).float() * self.scale.unsqueeze(-1)
-        return (w if self.offset is None else w + self.offset.unsqueeze(-1)).view(n, k)
-
-    def permute_rows(self, n_heads: int) -> QuantWeight:
-        return QuantWeight(torch.from_numpy(_unpermute(self.blocks.numpy(), n_heads)), self.qtype)
-
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return tuple(t for t in (self.codes, self.scale, self.offset, self.dense) if t is not None)
 
 
-@dataclass
-class KQuantWeight:
-    """A K-quant GGUF matrix kept as codes, as in its blocks (cpu_kernels/quant_layout.h):
+class KQuantWeight(_FileBlocks):
+    """Q4_K, Q5_K or Q6_K, as codes in their blocks' order (cpu_kernels/quant_layout.h):
     Q4_K/Q5_K: weight[n, k] = codes * d * subs[n, g, 0] - dmin * subs[n, g, 1], with
     (d, dmin) = supers[n, k // 256]; Q6_K: weight = (codes - 32) * d * int8(subs[n, g, h]),
-    h the half of group g = k // 32 that k lies in. `dense` is the matrix dequantized."""
-
-    codes: torch.Tensor  # [N, K] uint8 in 0 .. 2^bits - 1
-    subs: torch.Tensor  # [N, K / 32, 2] uint8
-    supers: torch.Tensor  # [N, K / 256, 2 (Q4_K, Q5_K) or 1 (Q6_K)] float32 (float16 values)
-    dense: torch.Tensor  # [N, K] float32
-    bits: int
+    h the half of group g = k // 32 that k lies in."""
 
     @property
-    def shape(self) -> tuple[int, int]:
-        return self.codes.shape
+    def bits(self) -> int:
+        return K_QUANT_TYPES[self.qtype]
 
-    def permute_rows(self, n_heads: int) -> KQuantWeight:
-        def rows(t: torch.Tensor) -> torch.Tensor:
-            return torch.from_numpy(_unpermute(t.numpy(), n_heads))
+    @functools.cached_property
+    def _unpacked(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """codes [N, K] uint8 in 0 .. 2^bits - 1, subs [N, K / 32, 2] uint8 and supers
+        [N, K / 256, 2 (Q4_K, Q5_K) or 1 (Q6_K)] float32 (float16 values), from Q4_K (d, dmin,
+        12 bytes of 6-bit scales and mins, 128 of nibbles), Q5_K (the same and 32 bytes of fifth
+        bits) or Q6_K (128 bytes of nibbles, 64 of 2-bit highs, 16 int8 scales, d) super-blocks
+        of 256, in gguf.quants' order."""
+        blocks = self._split()
+        n = blocks.shape[0]
 
-        return KQuantWeight(*(rows(t) for t in self.astuple()), self.bits)
+        def f16(b: np.ndarray) -> np.ndarray:
+            return b.copy().view(np.float16).astype(np.float32)
+
+        def nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:  # low, then high nibbles
+            shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+            return ((qs.reshape(n, -1, 1, chunk) >> shifts) & 0x0F).reshape(n, K_SUPER)
+
+        if self.qtype == GGMLQuantizationType.Q6_K:
+            ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
+            shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+            high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, K_SUPER)
+            codes = nibbles(ql, 64) | (high << 4)
+            subs = scales.reshape(n, 8, 2)  # int8 scales of 16 values: each group's two halves
+            supers = f16(d).reshape(n, 1)
+        else:
+            d, dmin, scales, qs = np.split(blocks, [2, 4, 16], axis=1)
+            codes = nibbles(qs[:, -128:], 32)
+            if self.qtype == GGMLQuantizationType.Q5_K:
+                shifts = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+                high = ((qs[:, :32].reshape(n, 1, 32) >> shifts) & 0x01).reshape(n, K_SUPER)
+                codes = codes | (high << 4)
+            sc, mn = Q4_K.get_scale_min(scales)
+            subs = np.stack([sc, mn], axis=-1).astype(np.uint8)
+            supers = np.stack([f16(d), f16(dmin)], axis=-1).reshape(n, 2)
+        rows, k = self.shape
+        return (
+            torch.from_numpy(np.ascontiguousarray(codes).reshape(rows, k)),
+            torch.from_numpy(np.ascontiguousarray(subs).reshape(rows, k // QUANT_GROUP, 2)),
+            torch.from_numpy(np.ascontiguousarray(supers).reshape(rows, k // K_SUPER, -1)),
+        )
+
+    @property
+    def codes(self) -> torch.Tensor:
+        return self._unpacked[0]
+
+    @property
+    def subs(self) -> torch.Tensor:
+        return self._unpacked[1]
+
+    @property
+    def supers(self) -> torch.Tensor:
+        return self._unpacked[2]
 
     def astuple(self) -> tuple[torch.Tensor, ...]:
         return self.codes, self.subs, self.supers, self.dense
-
-
-def _kquant_codes(
-    data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, int]
-) -> KQuantWeight:
-    """Unpack Q4_K (d, dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles), Q5_K (the same
-    and 32 bytes of fifth bits) or Q6_K (128 bytes of nibbles, 64 of 2-bit highs, 16 int8
-    scales, d) super-blocks of 256, in gguf.quants' order."""
-    blocks = np.asarray(data).reshape(-1, GGML_QUANT_SIZES[qtype][1])
-    n = blocks.shape[0]
-
-    def f16(b: np.ndarray) -> np.ndarray:
-        return b.copy().view(np.float16).astype(np.float32)
-
-    def nibbles(qs: np.ndarray, chunk: int) -> np.ndarray:  # low, then high nibbles of chunks
-        shifts = np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-        return ((qs.reshape(n, -1, 1, chunk) >> shifts) & 0x0F).reshape(n, K_SUPER)
-
-    if qtype == GGMLQuantizationType.Q6_K:
-        ql, qh, scales, d = np.split(blocks, [128, 192, 208], axis=1)
-        shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-        high = ((qh.reshape(n, 2, 1, 32) >> shifts) & 0x03).reshape(n, K_SUPER)
-        codes = nibbles(ql, 64) | (high << 4)
-        subs = scales.reshape(n, 8, 2)  # int8 scales of 16 values: each group's two halves
-        supers = f16(d).reshape(n, 1)
-    else:
-        d, dmin, scales, qs = np.split(blocks, [2, 4, 16], axis=1)
-        codes = nibbles(qs[:, -128:], 32)
-        if qtype == GGMLQuantizationType.Q5_K:
-            shifts = np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
-            high = ((qs[:, :32].reshape(n, 1, 32) >> shifts) & 0x01).reshape(n, K_SUPER)
-            codes = codes | (high << 4)
-        sc, mn = Q4_K.get_scale_min(scales)
-        subs = np.stack([sc, mn], axis=-1).astype(np.uint8)
-        supers = np.stack([f16(d), f16(dmin)], axis=-1).reshape(n, 2)
-    rows, k = shape
-    dense = np.asarray(dequantize(data, qtype), dtype=np.float32).reshape(shape)
-    return KQuantWeight(
-        torch.from_numpy(np.ascontiguousarray(codes).reshape(shape)),
-        torch.from_numpy(np.ascontiguousarray(subs).reshape(rows, k // QUANT_GROUP, 2)),
-        torch.from_numpy(np.ascontiguousarray(supers).reshape(rows, k // K_SUPER, -1)),
-        torch.from_numpy(dense),
-        K_QUANT_TYPES[qtype],
-    )
 
 
 @functools.lru_cache(maxsize=1)
@@ -328,12 +332,10 @@ def iter_weights(
         if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = rows // cfg.head_dim
         if keep_quant and cut is None and len(shape) == 2:
-            weight = None
-            if qtype in QUANT_TYPES:
-                weight = QuantWeight(torch.from_numpy(np.ascontiguousarray(data)), qtype)
-            elif qtype in K_QUANT_TYPES:
-                weight = _kquant_codes(data, qtype, shape)
-            if weight is not None:
+            kind = QuantWeight if qtype in QUANT_TYPES else None
+            kind = KQuantWeight if qtype in K_QUANT_TYPES else kind
+            if kind is not None:
+                weight = kind(torch.from_numpy(np.ascontiguousarray(data)), qtype)
                 yield name, weight if heads is None else weight.permute_rows(heads)
                 continue
         if keep_quant and qtype not in FLOAT_TYPES | QUANT_TYPES.keys() | K_QUANT_TYPES.keys():
