@@ -34,3 +34,8 @@ at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at:
 // Q8_0) in quant_layout.h's layout (quant_pack.cpp).
 std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
     const at::Tensor& blocks, int64_t ggml_type);
+
+// The same for a K-quant matrix (`ggml_type` 12, 13 or 14: Q4_K, Q5_K, Q6_K), uint8
+// [N, K / 256 * super-block bytes]: codes, supers and subs as kquant_linear takes them.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_kquant_blocks(const at::Tensor& blocks,
+                                                                  int64_t ggml_type);

@@ -11,7 +11,6 @@ import torch
 
 from pagedserve.models.gguf_file import QUANT_GROUP, KQuantWeight, QuantWeight
 
-TILE_COLS = 16  # output columns per packed tile
 STRIP_COLS = 32  # output columns a kernel thread takes at a time
 
 
@@ -40,34 +39,6 @@ def packable(parts: list[QuantWeight] | list[KQuantWeight]) -> bool:
 def pack(parts: list[QuantWeight] | list[KQuantWeight]) -> PackedWeight | KPackedWeight:
     """The row blocks `parts` packed for the kernels of their type (packable ones)."""
     return (KPackedWeight if isinstance(parts[0], KQuantWeight) else PackedWeight).pack(parts)
-
-
-def _tile_lanes(codes: torch.Tensor) -> torch.Tensor:
-    """Codes [N, K] in tiles: [tile, group, row, lane], lane 2c + p of row r holding column c,
-    input 2r + p of the group."""
-    n, k = codes.shape
-    tiles, groups = n // TILE_COLS, k // QUANT_GROUP
-    # [tile, column, group, row] -> [tile, group, row, column] of byte pairs: a pair moved as
-    # one 16-bit element copies 4x faster than two bytes
-    pairs = codes.contiguous().view(torch.int16).view(tiles, TILE_COLS, groups, 16)
-    return pairs.permute(0, 2, 3, 1).contiguous().view(codes.dtype).view(tiles, groups, 16, 32)
-
-
-def _nibble_quads(lanes: torch.Tensor) -> torch.Tensor:
-    """Values below 16 [tiles, groups, rows, 32 lanes] as nibble quads: 16-bit word j of quad
-    q holds lane j of rows 4q..4q+3, a nibble each -> uint8 [tiles, groups, rows / 4 * 64]."""
-    tiles, groups, rows, _ = lanes.shape
-    quads = lanes.to(torch.uint8).view(tiles, groups, rows // 4, 4, 32)
-    low = quads[:, :, :, 0] | (quads[:, :, :, 1] << 4)  # little-endian: low byte first
-    high = quads[:, :, :, 2] | (quads[:, :, :, 3] << 4)
-    return torch.stack([low, high], dim=-1).reshape(tiles, groups, rows // 4 * 64)
-
-
-def _per_tile(values: torch.Tensor) -> torch.Tensor:
-    """Per-row values [N, G, ...] -> [N / 16, G, ..., 16]: a tile's 16 columns innermost."""
-    n, rest = values.shape[0], values.shape[1:]
-    v = values.reshape(n // TILE_COLS, TILE_COLS, *rest)
-    return v.movedim(1, -1).contiguous()
 
 
 @dataclass
@@ -125,23 +96,14 @@ class KPackedWeight:
 
     @classmethod
     def pack(cls, parts: list[KQuantWeight]) -> KPackedWeight:
+        """Pack the row blocks `parts` (a fused weight's pieces, stacked along N)."""
         if not packable(parts):
             raise ValueError("these weights do not pack into one matrix")
-        bits = parts[0].bits
-        lanes = _tile_lanes(torch.cat([p.codes for p in parts]))
-        planes = [_nibble_quads(lanes & 0x0F)]
-        if bits > 4:  # high bits of quad q: high quad q // per, at bit (bits - 4) * (q % per)
-            high_bits = bits - 4
-            per = 4 // high_bits
-            tiles, groups = lanes.shape[:2]
-            high = (lanes >> 4).to(torch.int32).view(tiles, groups, 4 // per, per, 4, 32)
-            shifts = (torch.arange(per, dtype=torch.int32) * high_bits).view(1, 1, 1, per, 1, 1)
-            nibbles = (high << shifts).sum(dim=3).view(tiles, groups, 16 // per, 32)
-            planes.append(_nibble_quads(nibbles))
-        codes = torch.cat(planes, dim=-1).contiguous()
-        supers = _per_tile(torch.cat([p.supers for p in parts]))
-        subs = _per_tile(torch.cat([p.subs for p in parts]))
-        return cls(codes, supers, subs, bits)
+        from pagedserve.cpu_kernels import ops
+
+        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+        codes, supers, subs = ops().pack_kquant_blocks(blocks, int(parts[0].qtype))
+        return cls(codes, supers, subs, parts[0].bits)
 
     def kernel_args(self, bias: torch.Tensor | None) -> tuple:
         """This matrix (and a bias) as decode_layer takes it: kquant_linear's arguments, told
