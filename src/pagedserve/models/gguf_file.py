@@ -307,10 +307,10 @@ def iter_weights(
     cfg: ModelConfig,
     keep_quant: bool = False,
     shard_of: Callable[[str], Shard | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | QuantWeight]]:
+) -> Iterator[tuple[str, torch.Tensor | QuantWeight | KQuantWeight]]:
     """HF-named weights; with keep_quant, Q4_0/Q4_1/Q8_0 matrices come as QuantWeight and
-    Q4_K/Q5_K/Q6_K ones as KQuantWeight (codes + dense), for the CPU kernels; other quantized
-    types are dequantized, said in one log line.
+    Q4_K/Q5_K/Q6_K ones as KQuantWeight (their blocks, mapped from the file), for the CPU
+    kernels; other quantized types are dequantized, said in one log line.
     `shard_of` names the part of each tensor to read (a tensor-parallel rank's)."""
     index = _index(path)
     file = np.memmap(path, mode="c")  # copy on write: torch takes its views (never written)
