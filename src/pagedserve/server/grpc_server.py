@@ -329,10 +329,8 @@ def _address(host: str, port: int) -> str:
 
 
 async def start_grpc_server(state: ServerState) -> GrpcServer | None:
-    """Start the gRPC server when `grpc_port` is set (None otherwise, or when it cannot bind)."""
+    """Start the gRPC server on `grpc_port` (None when it cannot bind)."""
     cfg = state.config
-    if cfg.grpc_port is None:
-        return None
     server = grpc.aio.server(
         options=[
             # Without this grpc binds a port another process already serves, silently.
