@@ -48,7 +48,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
         return run_data_parallel(engine, server, dp)
     load_engine = _load_in_background(engine)
-    from pagedserve.server.api_server import run_server  # FastAPI, gRPC: ~0.7 s of imports
+    from pagedserve.server.api_server import run_server  # FastAPI: ~0.7 s of imports
 
     return run_server(load_engine, server)
 
