@@ -96,20 +96,25 @@ void unpack_kblock(const uint8_t* b, int64_t type, KBlock& k) {
   k.supers[1] = static_cast<float>(half_at(b + 2));
 }
 
+// What both packers take: contiguous uint8 rows of whole blocks, whole tiles of rows.
+void check_blocks(const at::Tensor& blocks, int64_t block_bytes, const char* fn) {
+  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
+              fn, ": blocks must be contiguous uint8 [rows, row bytes]");
+  TORCH_CHECK(blocks.size(0) % kTileCols == 0 && blocks.size(1) % block_bytes == 0, fn,
+              ": rows must be whole tiles of 16 and whole blocks");
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> pack_kquant_blocks(const at::Tensor& blocks,
                                                                   int64_t ggml_type) {
   TORCH_CHECK(ggml_type == kQ4_K || ggml_type == kQ5_K || ggml_type == kQ6_K,
               "pack_kquant_blocks: GGML type ", ggml_type, " is not Q4_K, Q5_K or Q6_K");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "pack_kquant_blocks: blocks must be contiguous uint8 [rows, row bytes]");
   const int bits = ggml_type == kQ4_K ? 4 : ggml_type == kQ5_K ? 5 : 6;
   const int64_t block_bytes = ggml_type == kQ4_K ? 144 : ggml_type == kQ5_K ? 176 : 210;
-  const int64_t n = blocks.size(0), row_bytes = blocks.size(1);
-  TORCH_CHECK(n % kTileCols == 0 && row_bytes % block_bytes == 0,
-              "pack_kquant_blocks: rows must be whole tiles of 16 and whole super-blocks");
-  const int64_t tiles = n / kTileCols, supers_n = row_bytes / block_bytes;
+  check_blocks(blocks, block_bytes, "pack_kquant_blocks");
+  const int64_t row_bytes = blocks.size(1);
+  const int64_t tiles = blocks.size(0) / kTileCols, supers_n = row_bytes / block_bytes;
   const int64_t groups = supers_n * kSuperGroups, n_supers = bits == 6 ? 1 : 2;
   const int64_t tile_bytes = 256 + 64 * (bits - 4);
   // High bits (Q5_K: 1, Q6_K: 2) of quad q's codes: nibble row 4 (q / per) + e of the high
@@ -158,14 +163,11 @@ std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>> pack_quant_blocks(
     const at::Tensor& blocks, int64_t ggml_type) {
   TORCH_CHECK(ggml_type == kQ4_0 || ggml_type == kQ4_1 || ggml_type == kQ8_0,
               "pack_quant_blocks: GGML type ", ggml_type, " is not Q4_0, Q4_1 or Q8_0");
-  TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && blocks.is_contiguous(),
-              "pack_quant_blocks: blocks must be contiguous uint8 [rows, row bytes]");
   const bool eight = ggml_type == kQ8_0, with_min = ggml_type == kQ4_1;
   const int64_t header = with_min ? 4 : 2, block_bytes = header + (eight ? 32 : 16);
-  const int64_t n = blocks.size(0), row_bytes = blocks.size(1);
-  TORCH_CHECK(n % kTileCols == 0 && row_bytes % block_bytes == 0,
-              "pack_quant_blocks: rows must be whole tiles of 16 and whole blocks");
-  const int64_t tiles = n / kTileCols, groups = row_bytes / block_bytes;
+  check_blocks(blocks, block_bytes, "pack_quant_blocks");
+  const int64_t row_bytes = blocks.size(1);
+  const int64_t tiles = blocks.size(0) / kTileCols, groups = row_bytes / block_bytes;
   const int64_t tile_bytes = eight ? kTileRows * 32 : kTileRows / 4 * 64;
   auto codes = blocks.new_empty({tiles, groups, tile_bytes});
   auto half = blocks.options().dtype(at::kHalf);

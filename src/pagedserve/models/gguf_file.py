@@ -215,6 +215,13 @@ class KQuantWeight(_FileBlocks):
         return self.codes, self.subs, self.supers, self.dense
 
 
+# What keep_quant yields a matrix of each type the CPU kernels pack as.
+_KEPT_AS_BLOCKS: dict[GGMLQuantizationType, type[_FileBlocks]] = {
+    **dict.fromkeys(QUANT_TYPES, QuantWeight),
+    **dict.fromkeys(K_QUANT_TYPES, KQuantWeight),
+}
+
+
 @functools.lru_cache(maxsize=1)
 def _index(path: str) -> GGUFIndex:
     """One index of a file for its config and then its weights (iter_weights drops it)."""
@@ -332,8 +339,7 @@ def iter_weights(
         if llama_layout and (".attn_q." in t.name or ".attn_k." in t.name):
             heads = rows // cfg.head_dim
         if keep_quant and cut is None and len(shape) == 2:
-            kind = QuantWeight if qtype in QUANT_TYPES else None
-            kind = KQuantWeight if qtype in K_QUANT_TYPES else kind
+            kind = _KEPT_AS_BLOCKS.get(qtype)
             if kind is not None:
                 weight = kind(torch.from_numpy(np.ascontiguousarray(data)), qtype)
                 yield name, weight if heads is None else weight.permute_rows(heads)

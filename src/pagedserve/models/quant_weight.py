@@ -20,20 +20,23 @@ def packed_kernels_available(dtype: torch.dtype) -> bool:
     return dtype in (torch.float32, torch.bfloat16)
 
 
-def _kind(w: QuantWeight | KQuantWeight) -> tuple:
-    return (KQuantWeight, w.bits) if isinstance(w, KQuantWeight) else (QuantWeight, w.qtype)
-
-
 def packable(parts: list[QuantWeight] | list[KQuantWeight]) -> bool:
     """Whether the row blocks `parts` (a fused weight's pieces) pack into one matrix: one
     quantization type, and a shape the kernels take."""
     first = parts[0]
     n, k = sum(p.shape[0] for p in parts), first.shape[1]
     return (
-        all(_kind(p) == _kind(first) for p in parts)
+        all(type(p) is type(first) and p.qtype == first.qtype for p in parts)
         and n % STRIP_COLS == 0
         and k % QUANT_GROUP == 0
     )
+
+
+def _stacked_blocks(parts: list[QuantWeight] | list[KQuantWeight]) -> torch.Tensor:
+    """The file blocks of the row blocks `parts`, stacked along N (packable ones)."""
+    if not packable(parts):
+        raise ValueError("these weights do not pack into one matrix")
+    return torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
 
 
 def pack(parts: list[QuantWeight] | list[KQuantWeight]) -> PackedWeight | KPackedWeight:
@@ -57,11 +60,9 @@ class PackedWeight:
     @classmethod
     def pack(cls, parts: list[QuantWeight]) -> PackedWeight:
         """Pack the row blocks `parts` (a fused weight's pieces, stacked along N)."""
-        if not packable(parts):
-            raise ValueError("these weights do not pack into one matrix")
         from pagedserve.cpu_kernels import ops
 
-        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+        blocks = _stacked_blocks(parts)
         codes, scales, offsets = ops().pack_quant_blocks(blocks, int(parts[0].qtype))
         return cls(codes, scales, offsets, parts[0].bits)
 
@@ -97,11 +98,9 @@ class KPackedWeight:
     @classmethod
     def pack(cls, parts: list[KQuantWeight]) -> KPackedWeight:
         """Pack the row blocks `parts` (a fused weight's pieces, stacked along N)."""
-        if not packable(parts):
-            raise ValueError("these weights do not pack into one matrix")
         from pagedserve.cpu_kernels import ops
 
-        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+        blocks = _stacked_blocks(parts)
         codes, supers, subs = ops().pack_kquant_blocks(blocks, int(parts[0].qtype))
         return cls(codes, supers, subs, parts[0].bits)
 
