@@ -1,41 +1,53 @@
 """Packed K-quant linears (cpu_kernels/quant_linear*.cpp) against torch's dense float32 matmul,
-for the default model's linear shapes (and its own block type, Q4_1, beside them), one
+with Q4_1 (the default model's block type) beside them, int8 activations as served, one
 thread, interleaved A/B in one process (a shared machine's load then hits both sides alike:
 quote the ratios, not the times).
 
     PAGEDSERVE_CPU_ISA=avx2 PYTHONPATH=src python benchmarks/bench_kquant_linear.py
 
-The default model's 576 inputs are not whole super-blocks of 256 (GGUF files quantize such
-matrices to other types); the packed matrices here are built from random codes and scales with
-a last partial super-block, which the kernels take: the work per weight is a real one's.
+Shapes of a Q4_K_M-style model of hidden size 768 (GGUF's K types take whole super-blocks of
+256 inputs; the default model's 576 are not), random blocks: the work per weight is a real
+one's.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedserve.cpu_kernels import kernel_level
-from pagedserve.models.gguf_file import KQuantWeight, QuantWeight
+from pagedserve.models.gguf_file import KQuantWeight
 from pagedserve.models.quant_weight import KPackedWeight, PackedWeight
 
-SHAPES = [(576, 576), (1536, 576), (576, 1536), (49152, 576)]  # [out, in]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_kquant_linear import random_blocks  # noqa: E402  (random K super-blocks)
+from test_quant_linear import random_quant  # noqa: E402  (random Q4_1 blocks)
+
+# [out, in]: a Q4_K_M-style model of hidden 768 (K types need whole super-blocks of 256).
+SHAPES = [(768, 768), (2048, 768), (768, 2048), (32768, 768)]
 ROWS = [1, 8, 32]
-TYPES = {"Q4_1": 0, "Q4_K": 4, "Q5_K": 5, "Q6_K": 6}  # K types by code width
+Q = GGMLQuantizationType
+TYPES = ["Q4_1", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def random_packed(n: int, k: int, bits: int, gen: torch.Generator):
-    if bits == 0:
-        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        scale, offset = torch.rand(n, k // 32, generator=gen), torch.rand(n, k // 32, generator=gen)
-        return PackedWeight.pack([QuantWeight(codes, scale, offset, 4)])
-    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
-    subs = torch.randint(0, 64, (n, k // 32, 2), generator=gen, dtype=torch.uint8)
-    supers = torch.rand(n, -(-k // 256), 1 if bits == 6 else 2, generator=gen) * 1e-3
-    return KPackedWeight.pack([KQuantWeight(codes, subs, supers, torch.empty(0), bits)])
+def random_packed(name: str, n: int, k: int, gen: torch.Generator):
+    """Q4_1 or a K type of random blocks, with int8 activations as the default dtype serves
+    them (where the level has integer products for the codes; float ones elsewhere)."""
+    if name == "Q4_1":
+        weight = PackedWeight.pack([random_quant(n, k, 4, gen)])
+    else:
+        rng = np.random.default_rng(int(torch.randint(0, 2**31, (1,), generator=gen)))
+        blocks = random_blocks(Q[name], n, k, rng)
+        weight = KPackedWeight.pack([KQuantWeight(torch.from_numpy(blocks), Q[name])])
+    weight.int8_activations = True
+    return weight
 
 
 def timed(fn, repeats: int) -> float:
@@ -72,9 +84,9 @@ def main() -> None:
     print(f"kernel level {kernel_level()}, 1 thread; ratio = dense float32 time / packed time")
     print("| type | shape (out x in) | " + " | ".join(f"{r} rows" for r in ROWS) + " |")
     print("|---|---|" + "---|" * len(ROWS))
-    for name, bits in TYPES.items():
+    for name in TYPES:
         for n, k in SHAPES:
-            packed = random_packed(n, k, bits, gen)
+            packed = random_packed(name, n, k, gen)
             dense = torch.randn(n, k, generator=gen)
             cells = " | ".join(
                 f"{ratio(packed, dense, torch.randn(rows, k, generator=gen), args.rounds):.2f}x"

@@ -9,13 +9,17 @@ call and GOP/s. Compare builds by running them alternately (this prints one buil
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from pagedserve.cpu_kernels import isa, ops
-from pagedserve.models.gguf_file import QuantWeight
 from pagedserve.models.quant_weight import PackedWeight
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_quant_linear import quant_weight  # noqa: E402  (GGUF blocks of given codes)
 
 # (name, outputs, inputs, bits): one layer's matrices and the Q8_0 lm_head.
 SHAPES = [
@@ -33,10 +37,10 @@ def packed(n: int, k: int, bits: int, gen: torch.Generator) -> PackedWeight:
     if bits == 4:
         codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen)
         offsets = -torch.rand(n, groups, generator=gen) * 0.05
-        weight = PackedWeight.pack([QuantWeight(codes, scales, offsets, 4)])
+        weight = PackedWeight.pack([quant_weight(codes, scales, offsets)])
     else:
         codes = torch.randint(-127, 128, (n, k), dtype=torch.int8, generator=gen)
-        weight = PackedWeight.pack([QuantWeight(codes.view(torch.uint8), scales, None, 8)])
+        weight = PackedWeight.pack([quant_weight(codes, scales, None)])
     weight.int8_activations = True
     return weight
 

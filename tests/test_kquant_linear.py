@@ -9,8 +9,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import dequantize
 
-from pagedserve.cpu_kernels import ops_for
-from pagedserve.cpu_kernels.isa import levels_supported
+from conftest import TOP, agreeing_prefix
+from pagedserve.cpu_kernels import ops, ops_for
+from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
 from pagedserve.models.gguf_file import KQuantWeight
 from pagedserve.models.quant_weight import KPackedWeight, pack, packable
 
@@ -93,7 +94,7 @@ def test_kquant_linear_matches_gguf_dequantize(level, dtype, qtype, rows):
     bias = torch.randn(96, generator=gen).to(dtype)
     for b in (None, bias):
         want = torch.nn.functional.linear(x.float(), dense, None if b is None else b.float())
-        got = ops_for(level).kquant_linear(x, *packed.kernel_args(b)[:5])
+        got = ops_for(level).kquant_linear(x, *packed.kernel_args(b))
         assert got.dtype == dtype and got.shape == want.shape
         assert ((got.float() - want).abs() <= slack(x, dense, want)).all()
 
@@ -109,6 +110,95 @@ def test_kquant_rows_match_gguf_dequantize(level, dtype, qtype):
         ids, packed.codes, packed.supers, packed.subs, packed.bits, dtype
     )
     torch.testing.assert_close(got, dense[ids].to(dtype), rtol=2**-22, atol=1e-7)
+
+
+def int8_k_products(level: str) -> bool:
+    """Whether kquant_linear takes int8 products with int8_activations: with AVX2's vpmaddubsw
+    (the avx2 level, or an AVX-512 one without VNNI); not in VNNI's or the portable kernels."""
+    return level == "avx2" or (level != "generic" and "avx512_vnni" not in cpu_info().flags)
+
+
+def int8_k_reference(x: torch.Tensor, w: KQuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """llama.cpp's products of K codes and activations quantized per group of 32
+    (quant_linear_int8.cpp): a = round(x * 127 / max|x|), s = max|x| / 127 and, per half of 16
+    inputs (Q6_K's halves have their own scales), d * s * sum(a * c) + m * sum(x) with the
+    group's d and m of the unpacked codes (weight = c * d + m). Returns the result and its
+    rounding bound, as test_quant_linear's int8_reference."""
+    (m, k), n = x.shape, w.shape[0]
+    xg = x.float().view(m, k // 32, 2, 16)
+    top = xg.abs().amax((-1, -2))
+    inv = torch.where(top > 0, 127 / top, torch.zeros_like(top))
+    a = (xg * inv[..., None, None]).round()
+    s = (top / 127)[:, None, :, None]  # [m, 1, groups, 1]
+    c = w.codes.float().view(n, k // 32, 2, 16)
+    supers = w.supers.repeat_interleave(8, dim=1)  # per group
+    if w.qtype == Q.Q6_K:
+        d = supers[..., 0:1] * w.subs.view(torch.int8).float()  # [n, groups, half]
+        off = -32 * d
+    else:
+        d = (supers[..., 0] * w.subs[..., 0].float())[..., None].expand(-1, -1, 2)
+        off = -(supers[..., 1] * w.subs[..., 1].float())[..., None].expand(-1, -1, 2)
+    per_half = torch.einsum("mghj,nghj->mngh", a, c) * d * s + off * xg.sum(-1)[:, None]
+    tie = (c.amax(-1) * d.abs() * s).sum((-1, -2))
+    return per_half.sum((-1, -2)), 2**-16 * per_half.abs().sum((-1, -2)) + tie
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 33, 70])  # AVX2's chunks: 32 rows at k = 512
+def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, rows):
+    """With int8_activations, K codes take integer products where the level has them
+    (int8_k_products), its float or bfloat16 ones elsewhere. Each group's largest activation
+    is 64x the others, so a float32 result visibly is not float32 products'."""
+    assert ops_for(level).int8_k_types() == int8_k_products(level)
+    (w,), dense = weights(qtype, [(96, 512)], seed=rows * 7 + qtype)
+    packed = pack([w])
+    packed.int8_activations = True
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 512, generator=gen)
+    x[:, ::32] = 64.0
+    x = x.to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype)
+    got = ops_for(level).kquant_linear(x, *packed.kernel_args(bias)).float()
+    exact = torch.nn.functional.linear(x.float(), dense, bias.float())
+    if not int8_k_products(level):
+        assert ((got - exact).abs() <= slack(x, dense, exact)).all()
+        return
+    want, bound = int8_k_reference(x, w)
+    want += bias.float()
+    if dtype == torch.bfloat16:
+        bound += 2**-8 * want.abs()  # the result rounded to bf16
+    assert ((got - want).abs() <= bound).all()
+    if dtype == torch.float32:  # not float32 products (bf16's own rounding would hide it)
+        assert (got - exact).abs().max() > 10 * slack(x, dense, exact).max()
+
+
+# The bytes of a K super-block that hold its codes (the rest: d, dmin and scales).
+CODE_BYTES = {Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 192)}
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 16])
+def test_kquant_int8_extreme_codes(level, qtype, rows):
+    """Every code the largest of its width, times activations all at the largest int8 code:
+    the 16-bit sums of the integer products reach their bound without overflowing."""
+    rng = np.random.default_rng(qtype)
+    blocks = random_blocks(qtype, 32, 512, rng).reshape(32, 2, -1)
+    blocks[..., CODE_BYTES[qtype]] = 0xFF
+    w = KQuantWeight(torch.from_numpy(blocks.reshape(32, -1)), qtype)
+    assert int(w.codes.min()) == 2**w.bits - 1
+    packed = pack([w])
+    packed.int8_activations = True
+    x = torch.full((rows, 512), 3.0)
+    got = ops_for(level).kquant_linear(x, *packed.kernel_args(None))
+    if int8_k_products(level):
+        want, bound = int8_k_reference(x, w)
+    else:
+        want = x @ w.dense.t()
+        bound = slack(x, w.dense, want)
+    assert ((got - want).abs() <= bound).all()
 
 
 def test_mixed_k_types_stay_apart():
@@ -187,3 +277,17 @@ def test_tiny_kquant_llama_is_packed_and_greedy_equal_to_dense(tmp_path, monkeyp
     dense = LLM(str(path), quantization="none", **common)
     assert dense.engine.model.layers[0].self_attn.qkv_proj.packed is None
     assert got == [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
+
+    # The default dtype multiplies int8 activations where the level has K integer products:
+    # close to float32 in vLLM's sense (conftest.agreeing_prefix).
+    fast = LLM(str(path), kv_cache_memory="4MiB", max_num_batched_tokens=32)
+    fast_packed = fast.engine.model.layers[0].mlp.down_proj.packed
+    assert fast_packed.int8_activations == ops().int8_k_types()
+    with_logprobs = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP)
+
+    def run(llm) -> list[dict]:
+        outs = [o.outputs[0] for o in llm.generate(prompts, with_logprobs)]
+        return [{"ids": o.token_ids, "logprobs": o.logprobs} for o in outs]
+
+    for f, r in zip(run(fast), run(packed), strict=True):
+        agreeing_prefix(f, r)

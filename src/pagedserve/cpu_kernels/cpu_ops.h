@@ -47,8 +47,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                      const at::Tensor& context_lens, double scale);
 
 // A packed linear as Python passes it (models/quant_weight.py): codes, scales, offsets, bias,
-// bits, int8_activations of a block type (quant_linear), or codes, supers, subs, bias, bits of
-// a K type (kquant_linear; whose scales alone are float32), then false.
+// bits, int8_activations of a block type (quant_linear), or codes, supers, subs, bias, bits,
+// int8_activations of a K type (kquant_linear; whose scales alone are float32).
 using PackedLinear = std::tuple<at::Tensor, at::Tensor, c10::optional<at::Tensor>,
                                 c10::optional<at::Tensor>, int64_t, bool>;
 

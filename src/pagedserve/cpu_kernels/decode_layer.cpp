@@ -10,7 +10,7 @@ namespace {
 at::Tensor packed_linear(const at::Tensor& x, const PackedLinear& w) {
   const auto& [codes, scales, offsets, bias, bits, int8_activations] = w;
   if (scales.scalar_type() == at::kFloat) {
-    return kquant_linear(x, codes, scales, offsets.value(), bias, bits);
+    return kquant_linear(x, codes, scales, offsets.value(), bias, bits, int8_activations);
   }
   return quant_linear(x, codes, scales, offsets, bias, bits, int8_activations);
 }

@@ -4,8 +4,6 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <type_traits>
-
 #include "isa.h"
 #include "quant_layout.h"
 
@@ -21,10 +19,20 @@ template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                       int64_t n);
 
-// Block types over x quantized to int8 per group (quant_linear_int8.cpp), at every level.
+// AVX2's integer products (vpmaddubsw), where no AVX-512 VNNI replaces them.
+#if defined(PAGEDSERVE_AVX2) && !(defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__))
+#define PAGEDSERVE_MADDUBS 1
+#endif
+// Formats multiplied over x quantized to int8 per group (quant_linear_int8.cpp): block types at
+// every level; K types with vpmaddubsw (VNNI's and the portable kernels have no K code path:
+// K types keep float or bfloat16 products there).
+#ifdef PAGEDSERVE_MADDUBS
+constexpr bool kInt8KTypes = true;
+#else
+constexpr bool kInt8KTypes = false;
+#endif
 template <typename F>
-constexpr bool kInt8Codes =
-    std::is_same_v<F, BlockFormat<4>> || std::is_same_v<F, BlockFormat<8>>;
+constexpr bool kInt8Codes = !F::kKType || kInt8KTypes;
 // Rows the integer products take: every count from AVX2 on; the portable ones up to 4 (beyond
 // that torch's matmul over decoded strips, many_rows_linear, is as fast or faster).
 #ifdef PAGEDSERVE_AVX2
@@ -35,7 +43,7 @@ constexpr int64_t kInt8MaxRows = 4;
 // Eight-bit codes without VNNI (AVX2's sign flips cost an instruction a product) take them from
 // 2 rows on (1.3-2.7x the float32 dot products at 2-8 rows of the Q8_0 lm_head, on Zen 3); one
 // row is bound by reading the codes either way.
-#if defined(PAGEDSERVE_AVX2) && !(defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__))
+#ifdef PAGEDSERVE_MADDUBS
 constexpr int64_t kInt8EightBitMinRows = 2;
 #else
 constexpr int64_t kInt8EightBitMinRows = 1;

@@ -2,10 +2,11 @@
 // kernel level: block types (Q4_0/Q4_1, Q8_0) and K types (Q4_K, Q5_K, Q6_K). A step's linears
 // are bound by reading weights: at 4-8 bits per weight they read 2-4x fewer bytes than bfloat16
 // (4-7x fewer than float32). The kernels by regime:
-// - int8_activations (the default but for an explicit float32 model): block types in integer
-//   products over activations quantized per group (quant_linear_int8.cpp) where the level has
-//   them for the codes and the row count (kInt8MaxRows, kInt8EightBitMinRows), except bf16
-//   steps of over kInt8MaxAmxRows rows where AMX has tiles;
+// - int8_activations (the default but for an explicit float32 model): integer products over
+//   activations quantized per group (quant_linear_int8.cpp) where the level has them for the
+//   codes (block types; K types with AVX2's vpmaddubsw, kInt8Codes) and the row count
+//   (kInt8MaxRows, kInt8EightBitMinRows), except bf16 steps of over kInt8MaxAmxRows rows where
+//   AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
 //   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
 //   where not; more rows of block types, and K types past a few rows, AMX tiles
@@ -61,7 +62,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   const at::Tensor a = x.contiguous();
   if constexpr (kInt8Codes<F>) {
     if (int8_activations && m <= kInt8MaxRows &&
-        (F::kBits == 4 || m >= kInt8EightBitMinRows) &&
+        (F::kBits != 8 || m >= kInt8EightBitMinRows) &&
         !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
       if (bf16) {
         int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
@@ -219,10 +220,11 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::
 
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& supers,
                          const at::Tensor& subs, const c10::optional<at::Tensor>& bias,
-                         int64_t bits) {
+                         int64_t bits, bool int8_activations) {
   at::Tensor y;
-  with_k(codes, supers, subs, bits,
-         [&](const auto& w) { y = linear(x, w, bias, codes.size(0) * kTileCols, false); });
+  with_k(codes, supers, subs, bits, [&](const auto& w) {
+    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations);
+  });
   return y;
 }
 
@@ -235,6 +237,8 @@ at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::
                [&](const auto& w) { lookup_as(w, id, m, n, dtype, out); });
   });
 }
+
+bool int8_k_types() { return kInt8KTypes; }
 
 at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
                        const at::Tensor& subs, int64_t bits, at::ScalarType dtype) {

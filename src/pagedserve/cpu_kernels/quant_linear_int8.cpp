@@ -1,14 +1,16 @@
-// y = x W^T over block codes (Q4_0/Q4_1; Q8_0 with AVX-512 VNNI, or portably) in integer
-// products, as llama.cpp computes its quantized matmuls: each row of x is quantized per group
-// of 32 inputs to int8 codes a and a float32 scale s (s = max |x| / 127), and per group
-// sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact.
+// y = x W^T over block codes (Q4_0/Q4_1, Q8_0) and, with AVX2's vpmaddubsw, K codes (Q4_K,
+// Q5_K, Q6_K) in integer products, as llama.cpp computes its quantized matmuls: each row of x
+// is quantized per group of 32 inputs to int8 codes a and a float32 scale s (s = max |x| / 127),
+// and per group sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact (for
+// Q6_K, whose group halves have their own d and m, per half).
 // The integer sums by level:
 // - AVX-512 VNNI (vpdpbusd, 64 products an instruction): 16 columns a register, a pass of
 //   kPassRows rows kept in registers over a whole column tile. vpdpbusd multiplies unsigned
 //   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
 //   a + 128 is, and 128 * sum(c) comes off each group's sum.
-// - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes are
-//   shared by every row of the chunk. Each 4 inputs of a row are stored 8 times over at
+// - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes (K
+//   types' high bits ORed in) are shared by every row of the chunk; products are summed in 16
+//   bits as far as the code width allows (kSum16) before vpmaddwd widens them. Each 4 inputs of a row are stored 8 times over at
 //   quantization (kPickCopies: 32 bytes), read by a plain load, for four-bit codes as
 //   vpmaddubsw's memory operand: a broadcast a product had cost 15-20% of the linear's time
 //   on AMD Zen 1. Eight-bit codes are signed: |c| times a with c's sign (vpsignb), each
@@ -67,18 +69,24 @@ inline float reduce_max(__m256 v) {
 // (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
 // column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
 // ones. Eight-bit codes': inputs in order, a + 128 (unsigned) for vpdpbusd, a for vpsignb.
-// Stored as kPickCopies copies of each 4 codes (32 * kPickCopies bytes).
-template <bool kNibbleOrder, typename T>
+// Stored as kPickCopies copies of each 4 codes (32 * kPickCopies bytes). The sum is the
+// group's, or with kHalfSums its two halves' (inputs 0-15, 16-31).
+template <bool kNibbleOrder, bool kHalfSums, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
   for (int j = 0; j < 4; ++j) v[j] = load8_f32(x + 8 * j);
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 total = _mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3]));
+  const __m256 halves[2] = {_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])};
   __m256 amax = _mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1]));
   amax = _mm256_max_ps(amax, _mm256_max_ps(_mm256_andnot_ps(sign, v[2]),
                                            _mm256_andnot_ps(sign, v[3])));
   const float top = reduce_max(amax);
-  *sum = reduce_add(total);
+  if constexpr (kHalfSums) {
+    sum[0] = reduce_add(halves[0]);
+    sum[1] = reduce_add(halves[1]);
+  } else {
+    *sum = reduce_add(_mm256_add_ps(halves[0], halves[1]));
+  }
   *scale = top / 127.f;
   const __m256 inv = _mm256_set1_ps(top > 0.f ? 127.f / top : 0.f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
@@ -110,7 +118,7 @@ using ActCode = int16_t;  // int8 values, widened once here rather than at every
 constexpr int64_t kPickCopies = 1;
 
 // One group of 32 inputs -> 32 codes in input order (both code widths), its scale and sum.
-template <bool /*kNibbleOrder*/, typename T>
+template <bool /*kNibbleOrder*/, bool /*kHalfSums: AVX2's K types alone*/, typename T>
 inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum) {
   float v[kGroup];
   float top = 0.f, total = 0.f;
@@ -131,25 +139,27 @@ inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum)
 struct QuantizedRows {
   const ActCode* codes;  // [m, stride]
   const float* scale;    // [m, groups]
-  const float* sum;      // [m, groups]
+  const float* sum;      // [m, groups, parts]
   int64_t stride;        // codes a row: k * kPickCopies
+  int64_t parts;         // sums a group: 1, or 2 (its halves' sums, kHalfSums)
 
   QuantizedRows rows_from(int64_t i, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {codes + i * stride, scale + i * groups, sum + i * groups, stride};
+    return {codes + i * stride, scale + i * groups, sum + i * groups * parts, stride, parts};
   }
 };
 
-template <bool kNibbleOrder, typename T>
+template <bool kNibbleOrder, bool kHalfSums, typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   thread_local std::vector<ActCode> codes_buf;  // plain memory: ~120 calls a step
   thread_local std::vector<float> scale_buf, sum_buf;
   constexpr int64_t kGroupCodes = kGroup * kPickCopies;
   constexpr int64_t kLine = 64 / sizeof(ActCode);  // codes a cache line
+  constexpr int64_t kParts = kHalfSums ? 2 : 1;
   const int64_t groups = k / kGroup;
   codes_buf.resize(m * groups * kGroupCodes + kLine);
   scale_buf.resize(m * groups);
-  sum_buf.resize(m * groups);
+  sum_buf.resize(m * groups * kParts);
   // The pool's threads would see their own thread_local vectors: they get this one's memory.
   ActCode* codes = codes_buf.data();
   codes += (kLine - reinterpret_cast<uintptr_t>(codes) / sizeof(ActCode) % kLine) % kLine;
@@ -157,10 +167,11 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   float* sum = sum_buf.data();
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group<kNibbleOrder>(x + i * kGroup, codes + i * kGroupCodes, scale + i, sum + i);
+      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, codes + i * kGroupCodes, scale + i,
+                                              sum + i * kParts);
     }
   });
-  return {codes, scale, sum, groups * kGroupCodes};
+  return {codes, scale, sum, groups * kGroupCodes, kParts};
 }
 
 #if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
@@ -267,16 +278,53 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
   }
 }
 
-#elif defined(PAGEDSERVE_AVX2)  // vpmaddubsw
+#elif defined(PAGEDSERVE_MADDUBS)
 
-// The chunk's rows through column tiles [begin, end): per group and half tile (8 columns),
-// its codes as 8 registers of bytes (four quads, low and high nibbles), then every row's sums
-// over them; the row sums of a tile stay in L1 (acc).
-template <typename T>
-void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFormat<4>& w,
-                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
-  const int64_t groups = k / kGroup;
+// Products of a Bits-wide code and an activation that a 16-bit lane can sum: each vpmaddubsw
+// lane is at most 2 * (2^Bits - 1) * 127 (4 bits: 8 of them, 30,480; 5 bits: 4; 6 bits: 2).
+constexpr int sum16(int bits) {
+  int n = 1;
+  while (2 * n * 2 * ((1 << bits) - 1) * 127 <= 32767) n *= 2;
+  return n;
+}
+
+// A group's codes for one half tile (8 columns) as 8 registers of bytes: quad q's low nibbles at
+// 2q, its high ones at 2q + 1, and a K type's high bits at bit 4 up of each byte.
+template <typename F>
+inline void half_tile_codes(const uint8_t* c, int h, __m256i (&code)[8]) {
   const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int q = 0; q < 4; ++q) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + h * 32));
+    code[2 * q] = _mm256_and_si256(v, low);
+    code[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if constexpr (F::kHighBits > 0) {
+      // Quad q's high bits: high quad q / P, at bit `at` of the nibble of its code's
+      // (quant_layout.h). Shifted within 16-bit words to bit 4 of each byte; bits shifted
+      // across into the word's other byte fall outside the mask.
+      constexpr int kP = F::kQuadsPerHigh;
+      const int at = F::kHighBits * (q % kP);
+      const __m256i mask = _mm256_set1_epi8(static_cast<char>(((1 << F::kHighBits) - 1) << 4));
+      const __m256i hv = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(c + 256 + q / kP * 64 + h * 32));
+      code[2 * q] =
+          _mm256_or_si256(code[2 * q], _mm256_and_si256(_mm256_slli_epi16(hv, 4 - at), mask));
+      code[2 * q + 1] =
+          _mm256_or_si256(code[2 * q + 1], _mm256_and_si256(_mm256_srli_epi16(hv, at), mask));
+    }
+  }
+}
+
+// The chunk's rows through column tiles [begin, end) for codes of 4 to 6 bits (Q4_0/Q4_1 and
+// the K types): per group and half tile (8 columns), its codes as 8 registers (shared by every
+// row), then every row's sums over them; the row sums of a tile stay in L1 (acc). A Q6_K
+// group's halves (registers 0-3 and 4-7: quads 0-1 and 2-3) take their own scales and sums.
+template <typename T, typename F>
+void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
+                 const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
+  constexpr int kSum = sum16(F::kBits);
+  constexpr int kParts = F::kHalvesDiffer ? 2 : 1;
+  constexpr int kWide = 8 / kSum / kParts;  // 16-bit sums widened for each part
+  const int64_t groups = k / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
   alignas(32) float acc[kChunkRows * kTileCols];
   for (int64_t nt = begin; nt < end; ++nt) {
@@ -284,30 +332,35 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
     for (int64_t g = 0; g < groups; ++g) {
       const uint8_t* c = w.tile(nt, g);
       for (int h = 0; h < 2; ++h) {
-        __m256i code[8];  // quad q's low nibbles at 2q, high at 2q + 1
-        for (int q = 0; q < 4; ++q) {
-          const __m256i v =
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + q * 64 + h * 32));
-          code[2 * q] = _mm256_and_si256(v, low);
-          code[2 * q + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-        }
-        __m256 d, m;
-        scales8(w, nt, g, 0, h, d, m);
+        __m256i code[8];
+        half_tile_codes<F>(c, h, code);
+        __m256 d[kParts], m[kParts];
+        for (int part = 0; part < kParts; ++part) scales8(w, nt, g, part, h, d[part], m[part]);
         for (int64_t i = 0; i < rows; ++i) {
           // Inputs 4j..4j + 3 in every 32-bit lane of a[j] (kPickCopies).
           const auto* a = reinterpret_cast<const __m256i*>(x.codes + i * x.stride) + g * 8;
-          // 16-bit sums of 8 sums of product pairs: at most 8 * 2 * 15 * 127 = 30,480.
-          // Summed as a tree: a chain of 8 additions would wait on each other.
+          // Runs of kSum products summed in 16 bits as a tree (a chain of additions would wait
+          // on each other), then widened and summed per part.
           __m256i p[8];
           for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
-          for (int half = 4; half > 0; half /= 2) {
-            for (int j = 0; j < half; ++j) p[j] = _mm256_add_epi16(p[j], p[j + half]);
+          // (Unrolled by hand's word: GCC left this loop rolled, p in memory, 2.3x slower.)
+#pragma GCC unroll 4
+          for (int s = 1; s < kSum; s *= 2) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 8; j += 2 * s) p[j] = _mm256_add_epi16(p[j], p[j + s]);
           }
-          const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(p[0], ones));
           float* o = acc + i * kTileCols + h * 8;
-          __m256 r = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(x.scale[i * groups + g])),
-                                     _mm256_load_ps(o));
-          r = _mm256_fmadd_ps(_mm256_set1_ps(x.sum[i * groups + g]), m, r);
+          __m256 r = _mm256_load_ps(o);
+          const float* sums = x.sum + (i * groups + g) * x.parts;
+          const __m256 s = _mm256_set1_ps(x.scale[i * groups + g]);
+          for (int part = 0; part < kParts; ++part) {
+            __m256i dot = _mm256_madd_epi16(p[part * kWide * kSum], ones);
+            for (int j = 1; j < kWide; ++j) {
+              dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p[(part * kWide + j) * kSum], ones));
+            }
+            r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[part], s), r);
+            r = _mm256_fmadd_ps(_mm256_set1_ps(sums[part]), m[part], r);
+          }
           _mm256_store_ps(o, r);
         }
       }
@@ -500,7 +553,8 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n) {
-  const QuantizedRows q = quantize_rows<F::kBits == 4>(x, m, k);
+  // Nibble-tile codes (all but Q8_0's) take the activations in their nibbles' order.
+  const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k);
   // Copied codes (kPickCopies) are 8 times the bytes: chunks of at most 256 KB of them stay in
   // L2 beside the tiles (32 rows at k = 576, 16 at k = 1536; 64 and 32 rows measured 2-10%
   // slower on AMD Zen 1).
@@ -526,3 +580,8 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
                                              const float*, at::BFloat16*, int64_t);
 INSTANTIATE(BlockFormat<4>)
 INSTANTIATE(BlockFormat<8>)
+#ifdef PAGEDSERVE_MADDUBS
+INSTANTIATE(KFormat<4>)
+INSTANTIATE(KFormat<5>)
+INSTANTIATE(KFormat<6>)
+#endif

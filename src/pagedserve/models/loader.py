@@ -24,7 +24,7 @@ from pagedserve.distributed.sharding import Shard, ShardPlan
 from pagedserve.models import file_cache, gguf_file
 from pagedserve.models.config import ModelConfig, UnsupportedModelError
 from pagedserve.models.linear import Linear
-from pagedserve.models.quant_weight import PackedWeight
+from pagedserve.models.quant_weight import KPackedWeight, PackedWeight
 from pagedserve.models.registry import model_class
 
 logger = logging.getLogger(__name__)
@@ -209,18 +209,23 @@ def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
 
 
 def _use_int8_activations(model: nn.Module) -> None:
-    block = {
+    from pagedserve.cpu_kernels import ops
+
+    packed = {
         id(p): p
         for m in model.modules()
-        if isinstance(p := getattr(m, "packed", None), PackedWeight)
+        if isinstance(p := getattr(m, "packed", None), (PackedWeight, KPackedWeight))
     }
-    for packed in block.values():
-        packed.int8_activations = True
-    if block:
+    k_types = ops().int8_k_types()
+    chosen = [p for p in packed.values() if isinstance(p, PackedWeight) or k_types]
+    for p in chosen:
+        p.int8_activations = True
+    if chosen:
         logger.info(
-            "%d packed Q4_0/Q4_1/Q8_0 matrices multiply activations quantized to int8 per"
-            " group (--dtype float32 keeps float32 products)",
-            len(block),
+            "%d packed matrices multiply activations quantized to int8 per group (%s;"
+            " --dtype float32 keeps float32 products)",
+            len(chosen),
+            "block and K types" if k_types else "Q4_0/Q4_1/Q8_0; K types not at this level",
         )
 
 
@@ -236,7 +241,8 @@ def load_model(
     int8_activations: bool = False,
 ) -> nn.Module:
     """The whole model; with `tp`, this rank's shard of it, reading only its slices. With
-    `int8_activations`, packed block-type matrices multiply int8 activations (PackedWeight)."""
+    `int8_activations`, packed matrices multiply int8 activations where the level has integer
+    products for their codes (PackedWeight, KPackedWeight)."""
     cls = model_class(cfg.architecture)
     plan = ShardPlan.for_rank(cfg, tp.size, tp.rank) if tp is not None else None
     with torch.device("meta"):

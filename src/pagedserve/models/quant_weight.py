@@ -94,6 +94,9 @@ class KPackedWeight:
     supers: torch.Tensor  # float32 [N / 16, K / 256, 2 or 1, 16]
     subs: torch.Tensor  # uint8 [N / 16, K / 32, 2, 16]
     bits: int
+    # As PackedWeight's, where the level has integer products for K codes (AVX2's); set by
+    # the loader.
+    int8_activations: bool = False
 
     @classmethod
     def pack(cls, parts: list[KQuantWeight]) -> KPackedWeight:
@@ -105,15 +108,14 @@ class KPackedWeight:
         return cls(codes, supers, subs, parts[0].bits)
 
     def kernel_args(self, bias: torch.Tensor | None) -> tuple:
-        """This matrix (and a bias) as decode_layer takes it: kquant_linear's arguments, told
-        from a block type's by the float32 scales, then no int8 activations (K types multiply
-        in float)."""
-        return self.codes, self.supers, self.subs, bias, self.bits, False
+        """This matrix (and a bias) as the C++ kernels take it: kquant_linear's arguments (told
+        from a block type's by the float32 scales)."""
+        return self.codes, self.supers, self.subs, bias, self.bits, self.int8_activations
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         from pagedserve.cpu_kernels import ops
 
-        return ops().kquant_linear(x, self.codes, self.supers, self.subs, bias, self.bits)
+        return ops().kquant_linear(x, *self.kernel_args(bias))
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the matrix as `dtype` (an embedding lookup)."""
