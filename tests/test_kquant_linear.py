@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
 from conftest import TOP, agreeing_prefix
@@ -209,18 +209,25 @@ def test_mixed_k_types_stay_apart():
 
 
 # ---- end to end: a tiny llama GGUF of Q4_K / Q6_K matrices ---------------------------------
-HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS = 256, 512, 4, 2, 512, 2
+HIDDEN, FFN, HEADS, KV_HEADS, VOCAB, LAYERS, CONTEXT = 256, 512, 4, 2, 512, 2, 256
 
 
-def write_tiny_llama(path) -> None:
+def write_tiny_llama(path, tokenizer_of: str | None = None) -> None:
+    """The tiny llama at `path`; with `tokenizer_of` (a GGUF of VOCAB tokens), that file's
+    tokenizer, so that llama.cpp serves it too (scripts/write_kquant_gguf.py)."""
     rng = np.random.default_rng(0)
     w = GGUFWriter(str(path), "llama")
+    if tokenizer_of is not None:
+        for key, field in GGUFReader(tokenizer_of).fields.items():
+            if key.startswith("tokenizer."):
+                sub_type = field.types[-1] if len(field.types) > 1 else None
+                w.add_key_value(key, field.contents(), field.types[0], sub_type)
     w.add_block_count(LAYERS)
     w.add_embedding_length(HIDDEN)
     w.add_feed_forward_length(FFN)
     w.add_head_count(HEADS)
     w.add_head_count_kv(KV_HEADS)
-    w.add_context_length(256)
+    w.add_context_length(CONTEXT)
     w.add_vocab_size(VOCAB)
     w.add_layer_norm_rms_eps(1e-5)
 
