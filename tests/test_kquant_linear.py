@@ -112,10 +112,17 @@ def test_kquant_rows_match_gguf_dequantize(level, dtype, qtype):
     torch.testing.assert_close(got, dense[ids].to(dtype), rtol=2**-22, atol=1e-7)
 
 
-def int8_k_products(level: str) -> bool:
-    """Whether kquant_linear takes int8 products with int8_activations: with AVX2's vpmaddubsw
-    (the avx2 level, or an AVX-512 one without VNNI); not in VNNI's or the portable kernels."""
-    return level == "avx2" or (level != "generic" and "avx512_vnni" not in cpu_info().flags)
+def int8_k_types(level: str) -> bool:
+    """Whether a level multiplies K codes by int8 activations: every level but those with
+    AVX-512 VNNI (whose kernel has no K code path)."""
+    return level in ("generic", "avx2") or "avx512_vnni" not in cpu_info().flags
+
+
+def int8_k_products(level: str, rows: int) -> bool:
+    """Whether kquant_linear takes int8 products for `rows` rows with int8_activations: where
+    the level has them (int8_k_types), every row count from AVX2 on, up to 4 rows portably (as
+    for block types)."""
+    return int8_k_types(level) and (level != "generic" or rows <= 4)
 
 
 def int8_k_reference(x: torch.Tensor, w: KQuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +158,7 @@ def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, row
     """With int8_activations, K codes take integer products where the level has them
     (int8_k_products), its float or bfloat16 ones elsewhere. Each group's largest activation
     is 64x the others, so a float32 result visibly is not float32 products'."""
-    assert ops_for(level).int8_k_types() == int8_k_products(level)
+    assert ops_for(level).int8_k_types() == int8_k_types(level)
     (w,), dense = weights(qtype, [(96, 512)], seed=rows * 7 + qtype)
     packed = pack([w])
     packed.int8_activations = True
@@ -162,7 +169,7 @@ def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, row
     bias = torch.randn(96, generator=gen).to(dtype)
     got = ops_for(level).kquant_linear(x, *packed.kernel_args(bias)).float()
     exact = torch.nn.functional.linear(x.float(), dense, bias.float())
-    if not int8_k_products(level):
+    if not int8_k_products(level, rows):
         assert ((got - exact).abs() <= slack(x, dense, exact)).all()
         return
     want, bound = int8_k_reference(x, w)
@@ -180,7 +187,7 @@ CODE_BYTES = {Q.Q4_K: slice(16, 144), Q.Q5_K: slice(16, 176), Q.Q6_K: slice(0, 1
 
 @pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 16])
+@pytest.mark.parametrize("rows", [1, 4, 16])
 def test_kquant_int8_extreme_codes(level, qtype, rows):
     """Every code the largest of its width, times activations all at the largest int8 code:
     the 16-bit sums of the integer products reach their bound without overflowing."""
@@ -193,7 +200,7 @@ def test_kquant_int8_extreme_codes(level, qtype, rows):
     packed.int8_activations = True
     x = torch.full((rows, 512), 3.0)
     got = ops_for(level).kquant_linear(x, *packed.kernel_args(None))
-    if int8_k_products(level):
+    if int8_k_products(level, rows):
         want, bound = int8_k_reference(x, w)
     else:
         want = x @ w.dense.t()

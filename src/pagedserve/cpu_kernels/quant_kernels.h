@@ -19,17 +19,20 @@ template <typename T, typename F>
 void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                       int64_t n);
 
-// AVX2's integer products (vpmaddubsw), where no AVX-512 VNNI replaces them.
-#if defined(PAGEDSERVE_AVX2) && !(defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__))
+// The integer products' instructions: AVX-512 VNNI's vpdpbusd, else from AVX2 on vpmaddubsw
+// (quant_linear_int8.cpp; portable ones below AVX2).
+#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+#define PAGEDSERVE_VNNI 1
+#elif defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_MADDUBS 1
 #endif
 // Formats multiplied over x quantized to int8 per group (quant_linear_int8.cpp): block types at
-// every level; K types with vpmaddubsw (VNNI's and the portable kernels have no K code path:
-// K types keep float or bfloat16 products there).
-#ifdef PAGEDSERVE_MADDUBS
-constexpr bool kInt8KTypes = true;
-#else
+// every level; K types but with VNNI (whose kernel has no K code path: K types keep bfloat16
+// or float products there).
+#ifdef PAGEDSERVE_VNNI
 constexpr bool kInt8KTypes = false;
+#else
+constexpr bool kInt8KTypes = true;
 #endif
 template <typename F>
 constexpr bool kInt8Codes = !F::kKType || kInt8KTypes;

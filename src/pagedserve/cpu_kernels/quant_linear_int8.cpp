@@ -1,4 +1,4 @@
-// y = x W^T over block codes (Q4_0/Q4_1, Q8_0) and, with AVX2's vpmaddubsw, K codes (Q4_K,
+// y = x W^T over block codes (Q4_0/Q4_1, Q8_0) and, but with AVX-512 VNNI, K codes (Q4_K,
 // Q5_K, Q6_K) in integer products, as llama.cpp computes its quantized matmuls: each row of x
 // is quantized per group of 32 inputs to int8 codes a and a float32 scale s (s = max |x| / 127),
 // and per group sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact (for
@@ -17,9 +17,9 @@
 //   product pair widened at once; from kInt8EightBitMinRows rows on (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
-//   activation pair repeated; both lanes of a column are added once per group. Four-bit
-//   codes sum a group's 16 rows in 16 bits (at most 16 * 15 * 127), eight-bit ones two rows
-//   (2 * 128 * 127) before widening. Against float32 products over the decoded codes: fewer
+//   activation pair repeated; both lanes of a column are added once per run of rows. Four-bit
+//   codes sum a group's 16 rows in 16 bits (at most 16 * 15 * 127), K types' 5- and 6-bit ones
+//   8 and 4 rows, eight-bit ones two rows (2 * 128 * 127) before widening. Against float32 products over the decoded codes: fewer
 //   and narrower instructions per weight (SSE2 has no FMA).
 // The activations' rounding (~0.4% of the largest in a group) is of bfloat16's order; a
 // float32 model asked for by name keeps float32 products (engine.py).
@@ -40,7 +40,7 @@ namespace {
 
 constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
 
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+#ifdef PAGEDSERVE_VNNI
 constexpr bool kVnni = true;
 #else
 constexpr bool kVnni = false;
@@ -117,17 +117,23 @@ using ActCode = int16_t;  // int8 values, widened once here rather than at every
 
 constexpr int64_t kPickCopies = 1;
 
-// One group of 32 inputs -> 32 codes in input order (both code widths), its scale and sum.
-template <bool /*kNibbleOrder*/, bool /*kHalfSums: AVX2's K types alone*/, typename T>
+// One group of 32 inputs -> 32 codes in input order (every code width), its scale and sum
+// (or, kHalfSums, its halves' sums).
+template <bool /*kNibbleOrder*/, bool kHalfSums, typename T>
 inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum) {
   float v[kGroup];
-  float top = 0.f, total = 0.f;
+  float top = 0.f, halves[2] = {0.f, 0.f};
   for (int j = 0; j < kGroup; ++j) {
     v[j] = to_f(x[j]);
     top = std::max(top, std::fabs(v[j]));
-    total += v[j];
+    halves[j / kHalf] += v[j];
   }
-  *sum = total;
+  if constexpr (kHalfSums) {
+    sum[0] = halves[0];
+    sum[1] = halves[1];
+  } else {
+    *sum = halves[0] + halves[1];
+  }
   *scale = top / 127.f;
   const float inv = top > 0.f ? 127.f / top : 0.f;
   for (int j = 0; j < kGroup; ++j) codes[j] = static_cast<ActCode>(std::lrint(v[j] * inv));
@@ -174,7 +180,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   return {codes, scale, sum, groups * kGroupCodes, kParts};
 }
 
-#if defined(PAGEDSERVE_AVX512) && defined(__AVX512VNNI__)
+#ifdef PAGEDSERVE_VNNI
 
 constexpr int64_t kPassRows = 8;  // R int and R float accumulators: 2R of the 32 registers
 
@@ -453,38 +459,66 @@ inline I32x4 column_sums(I16x8 v) {
   return low_halves(w) + high_halves(w);
 }
 
-// A group's integer sums, four-bit codes: acc[i][v] = row i's, columns [4v, 4v + 4).
-template <int R>
-inline void group_sums(const BlockFormat<4>& w, int64_t nt, int64_t g, const ActCode* a,
-                       int64_t stride, I32x4 (&acc)[R][kVecs]) {
+// Rows of Bits-wide code products a 16-bit lane sums (each at most (2^Bits - 1) * 127): 16 (a
+// whole group) for 4 bits, 8 for 5, 4 for 6.
+constexpr int run_rows(int bits) {
+  int rows = 1;
+  while (rows < kTileRows && 2 * rows * ((1 << bits) - 1) * 127 <= 32767) rows *= 2;
+  return rows;
+}
+
+// A group's integer sums, codes of 4 to 6 bits (block Q4 and the K types):
+// acc[i][part][v] = row i's, for columns [4v, 4v + 4) and the part of the group's inputs (its
+// halves where their scales differ: Q6_K).
+template <int R, typename F>
+inline void group_sums(const F& w, int64_t nt, int64_t g, const ActCode* a, int64_t stride,
+                       I32x4 (&acc)[R][F::kHalvesDiffer ? 2 : 1][kVecs]) {
+  constexpr int kRun = run_rows(F::kBits);
   const uint8_t* c = w.tile(nt, g);
   I16x8 sums[R][kVecs] = {};
   for (int q = 0; q < 4; ++q) {
-    U16x8 words[kVecs];
+    U16x8 words[kVecs], high[kVecs];
     std::memcpy(words, c + q * 64, sizeof words);
-    for (int n = 0; n < 4; ++n) {  // code row 4q + n: nibble n of every word
+    if constexpr (F::kHighBits > 0) {  // quad q's high bits: high quad q / P (quant_layout.h)
+      std::memcpy(high, c + 256 + q / F::kQuadsPerHigh * 64, sizeof high);
+    }
+    for (int n = 0; n < 4; ++n) {  // code row r = 4q + n: nibble n of every word
+      const int r = 4 * q + n;
       I16x8 codes[kVecs];
       for (int v = 0; v < kVecs; ++v) {
-        codes[v] = reinterpret_cast<I16x8>((words[v] >> (4 * n)) & 0xF);
+        U16x8 code = (words[v] >> (4 * n)) & 0xF;
+        if constexpr (F::kHighBits > 0) {
+          const int at = 4 * n + F::kHighBits * (q % F::kQuadsPerHigh);
+          code |= ((high[v] >> at) & ((1 << F::kHighBits) - 1)) << 4;
+        }
+        codes[v] = reinterpret_cast<I16x8>(code);
       }
       for (int i = 0; i < R; ++i) {
-        const I16x8 pair = pair_lanes(a + i * stride, 4 * q + n);
+        const I16x8 pair = pair_lanes(a + i * stride, r);
         for (int v = 0; v < kVecs; ++v) sums[i][v] += codes[v] * pair;
       }
+      if ((r + 1) % kRun == 0) {  // a run's end: widen (rows 0-7 are inputs 0-15, half 0)
+        const int part = F::kHalvesDiffer ? r / 8 : 0;
+        const bool first = r + 1 - kRun == part * 8;  // the part's first run sets acc
+        for (int i = 0; i < R; ++i) {
+          for (int v = 0; v < kVecs; ++v) {
+            const I32x4 run = column_sums(sums[i][v]);
+            acc[i][part][v] = first ? run : acc[i][part][v] + run;
+            sums[i][v] = I16x8{};
+          }
+        }
+      }
     }
-  }
-  for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < kVecs; ++v) acc[i][v] = column_sums(sums[i][v]);
   }
 }
 
 // Eight-bit codes: two rows' products summed in 16 bits, then widened.
 template <int R>
 inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const ActCode* a,
-                       int64_t stride, I32x4 (&acc)[R][kVecs]) {
+                       int64_t stride, I32x4 (&acc)[R][1][kVecs]) {
   const uint8_t* c = w.tile(nt, g);
   for (int i = 0; i < R; ++i) {
-    for (int v = 0; v < kVecs; ++v) acc[i][v] = I32x4{};
+    for (int v = 0; v < kVecs; ++v) acc[i][0][v] = I32x4{};
   }
   for (int r = 0; r < kTileRows; r += 2) {
     I16x8 codes[2][kVecs];  // [row r or r + 1][vector]
@@ -498,7 +532,7 @@ inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const Act
     for (int i = 0; i < R; ++i) {
       const I16x8 p0 = pair_lanes(a + i * stride, r), p1 = pair_lanes(a + i * stride, r + 1);
       for (int v = 0; v < kVecs; ++v) {
-        acc[i][v] += column_sums(codes[0][v] * p0 + codes[1][v] * p1);
+        acc[i][0][v] += column_sums(codes[0][v] * p0 + codes[1][v] * p1);
       }
     }
   }
@@ -508,20 +542,24 @@ inline void group_sums(const BlockFormat<8>& w, int64_t nt, int64_t g, const Act
 template <int R, typename F, typename T>
 inline void tile_rows(const QuantizedRows& x, int64_t k, const F& w, int64_t nt,
                       const float* bias, T* y, int64_t n) {
+  constexpr int kParts = F::kHalvesDiffer ? 2 : 1;
   const int64_t groups = k / kGroup;
   F32x4 out[R][kVecs] = {};
   for (int64_t g = 0; g < groups; ++g) {
-    I32x4 acc[R][kVecs];
+    I32x4 acc[R][kParts][kVecs];
     group_sums<R>(w, nt, g, x.codes + g * kGroup, x.stride, acc);
     float d[2][kTileCols], m[2][kTileCols];
     w.group_scales(nt, g, d, m);
-    for (int v = 0; v < kVecs; ++v) {
-      F32x4 dv, mv;
-      std::memcpy(&dv, d[0] + 4 * v, sizeof dv);
-      std::memcpy(&mv, m[0] + 4 * v, sizeof mv);
-      for (int i = 0; i < R; ++i) {
-        const F32x4 dot = __builtin_convertvector(acc[i][v], F32x4);
-        out[i][v] += dot * (dv * x.scale[i * groups + g]) + mv * x.sum[i * groups + g];
+    for (int part = 0; part < kParts; ++part) {
+      for (int v = 0; v < kVecs; ++v) {
+        F32x4 dv, mv;
+        std::memcpy(&dv, d[part] + 4 * v, sizeof dv);
+        std::memcpy(&mv, m[part] + 4 * v, sizeof mv);
+        for (int i = 0; i < R; ++i) {
+          const F32x4 dot = __builtin_convertvector(acc[i][part][v], F32x4);
+          const float sum = x.sum[(i * groups + g) * kParts + part];
+          out[i][v] += dot * (dv * x.scale[i * groups + g]) + mv * sum;
+        }
       }
     }
   }
@@ -580,7 +618,7 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
                                              const float*, at::BFloat16*, int64_t);
 INSTANTIATE(BlockFormat<4>)
 INSTANTIATE(BlockFormat<8>)
-#ifdef PAGEDSERVE_MADDUBS
+#ifndef PAGEDSERVE_VNNI
 INSTANTIATE(KFormat<4>)
 INSTANTIATE(KFormat<5>)
 INSTANTIATE(KFormat<6>)
