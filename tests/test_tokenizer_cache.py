@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 from pagedserve.models.loader import ModelSource, load_tokenizer, tokenizer_cache_dir
@@ -25,6 +26,17 @@ def test_the_saved_tokenizer_is_the_converted_one(tmp_path, monkeypatch):
         ids, skip_special_tokens=True
     )
     assert saved.eos_token_id == converted.eos_token_id and len(saved) == len(converted)
+    # The added tokens come from tokenizer_config.json (no parse of tokenizer.json for them),
+    # the same ones with the same flags.
+    with open(os.path.join(cached, "tokenizer_config.json"), encoding="utf-8") as f:
+        assert len(json.load(f)["added_tokens_decoder"]) == len(converted.added_tokens_decoder)
+
+    def added(tokenizer) -> dict:
+        return {i: t.__getstate__() for i, t in tokenizer.added_tokens_decoder.items()}
+
+    assert added(saved) == added(converted)
+    assert saved.special_tokens_map == converted.special_tokens_map
+    assert saved.all_special_ids == converted.all_special_ids
     for prompt in (True, False):
         assert saved.apply_chat_template(
             CHAT, tokenize=False, add_generation_prompt=prompt

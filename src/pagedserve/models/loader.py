@@ -85,8 +85,25 @@ def from_pretrained_args(source: ModelSource) -> tuple[str, dict[str, str]]:
 
 
 def tokenizer_cache_dir(source: ModelSource) -> str:
-    """Where a GGUF's tokenizer, once converted, is kept."""
-    return file_cache.cache_path(source.path, "tokenizers", source.name)
+    """Where a GGUF's tokenizer, once converted, is kept (v2: with its added tokens in
+    tokenizer_config.json, _save_tokenizer)."""
+    return file_cache.cache_path(source.path, "tokenizers", f"{source.name}-v2")
+
+
+def _save_tokenizer(tokenizer: PreTrainedTokenizerBase, directory: str) -> None:
+    """save_pretrained, and the added tokens written into tokenizer_config.json as well, where
+    transformers looks for them first: without them it parses the whole tokenizer.json in Python
+    for its "added_tokens" (~60 ms of every start for a vocabulary of 49k)."""
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        config = json.load(f)
+    config.setdefault(
+        "added_tokens_decoder",
+        {str(i): t.__getstate__() for i, t in tokenizer.added_tokens_decoder.items()},
+    )
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, ensure_ascii=False)
 
 
 def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
@@ -103,7 +120,7 @@ def load_tokenizer(source: ModelSource) -> PreTrainedTokenizerBase:
     directory, kwargs = from_pretrained_args(source)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
     if source.kind == "gguf":
-        file_cache.save(cached, tokenizer.save_pretrained)
+        file_cache.save(cached, lambda directory: _save_tokenizer(tokenizer, directory))
     return tokenizer
 
 
