@@ -66,6 +66,24 @@ def agreeing_prefix(fast: dict, ref: dict) -> int:
     return len(fast["ids"])
 
 
+def assert_int8_products(got, x, dense, bias, reference, slack) -> None:
+    """A packed linear's result `got` (x @ dense^T + bias, int8_activations set) against
+    llama.cpp's integer products `reference` = (result without bias, rounding bound), and
+    visibly not float32 products (x's largest activation 64x the others); where `reference` is
+    None (no integer products there), against float32 products within `slack(x, dense, exact)`."""
+    exact = torch.nn.functional.linear(x.float(), dense, bias.float())
+    if reference is None:
+        assert ((got - exact).abs() <= slack(x, dense, exact)).all()
+        return
+    want, bound = reference
+    want = want + bias.float()
+    if x.dtype == torch.bfloat16:
+        bound = bound + 2**-8 * want.abs()  # the result rounded to bf16
+    assert ((got - want).abs() <= bound).all()
+    if x.dtype == torch.float32:  # not float32 products (bf16's own rounding would hide it)
+        assert (got - exact).abs().max() > 10 * slack(x, dense, exact).max()
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

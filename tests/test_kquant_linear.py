@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from conftest import TOP, agreeing_prefix
+from conftest import TOP, agreeing_prefix, assert_int8_products
 from pagedserve.cpu_kernels import ops, ops_for
 from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
 from pagedserve.models.gguf_file import KQuantWeight
@@ -168,17 +168,8 @@ def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, row
     x = x.to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
     got = ops_for(level).kquant_linear(x, *packed.kernel_args(bias)).float()
-    exact = torch.nn.functional.linear(x.float(), dense, bias.float())
-    if not int8_k_products(level, rows):
-        assert ((got - exact).abs() <= slack(x, dense, exact)).all()
-        return
-    want, bound = int8_k_reference(x, w)
-    want += bias.float()
-    if dtype == torch.bfloat16:
-        bound += 2**-8 * want.abs()  # the result rounded to bf16
-    assert ((got - want).abs() <= bound).all()
-    if dtype == torch.float32:  # not float32 products (bf16's own rounding would hide it)
-        assert (got - exact).abs().max() > 10 * slack(x, dense, exact).max()
+    reference = int8_k_reference(x, w) if int8_k_products(level, rows) else None
+    assert_int8_products(got, x, dense, bias, reference, slack)
 
 
 # The bytes of a K super-block that hold its codes (the rest: d, dmin and scales).

@@ -9,6 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from conftest import assert_int8_products
 from pagedserve.cpu_kernels import ops_for
 from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
 from pagedserve.models.gguf_file import QuantWeight
@@ -188,17 +189,9 @@ def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows, k):
     x = x.to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
     got = ops_for(level).quant_linear(x, *packed.kernel_args(bias)).float()
-    exact = torch.nn.functional.linear(x.float(), weight.dense, bias.float())
-    if not int8_products(level, dtype, bits, rows):
-        assert ((got - exact).abs() <= slack(x, weight.dense, exact)).all()
-        return
-    want, bound = int8_reference(x, weight)
-    want += bias.float()
-    if dtype == torch.bfloat16:
-        bound += 2**-8 * want.abs()  # the result rounded to bf16
-    assert ((got - want).abs() <= bound).all()
-    if dtype == torch.float32:  # not float32 products (bf16's own rounding would hide it)
-        assert (got - exact).abs().max() > 10 * slack(x, weight.dense, exact).max()
+    int8 = int8_products(level, dtype, bits, rows)
+    reference = int8_reference(x, weight) if int8 else None
+    assert_int8_products(got, x, weight.dense, bias, reference, slack)
 
 
 def test_packed_linear_and_embedding_free_the_dense_copy():
