@@ -10,17 +10,19 @@
 //   a + 128 is, and 128 * sum(c) comes off each group's sum.
 // - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes (K
 //   types' high bits ORed in) are shared by every row of the chunk; products are summed in 16
-//   bits as far as the code width allows (kSum16) before vpmaddwd widens them. Each 4 inputs of a row are stored 8 times over at
-//   quantization (kPickCopies: 32 bytes), read by a plain load, for four-bit codes as
-//   vpmaddubsw's memory operand: a broadcast a product had cost 15-20% of the linear's time
-//   on AMD Zen 1. Eight-bit codes are signed: |c| times a with c's sign (vpsignb), each
-//   product pair widened at once; from kInt8EightBitMinRows rows on (quant_kernels.h).
+//   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
+//   inputs of a row are stored 8 times over at quantization (kPickCopies: 32 bytes), read by
+//   a plain load, for four-bit codes as vpmaddubsw's memory operand: a broadcast a product had
+//   cost 15-20% of the linear's time on AMD Zen 1. Eight-bit codes are signed: |c| times a
+//   with c's sign (vpsignb), each product pair widened at once; from kInt8EightBitMinRows rows
+//   on (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
 //   activation pair repeated; both lanes of a column are added once per run of rows. Four-bit
 //   codes sum a group's 16 rows in 16 bits (at most 16 * 15 * 127), K types' 5- and 6-bit ones
-//   8 and 4 rows, eight-bit ones two rows (2 * 128 * 127) before widening. Against float32 products over the decoded codes: fewer
-//   and narrower instructions per weight (SSE2 has no FMA).
+//   8 and 4 rows, eight-bit ones two rows (2 * 128 * 127) before widening. Against float32
+//   products over the decoded codes: fewer and narrower instructions per weight (SSE2 has no
+//   FMA).
 // The activations' rounding (~0.4% of the largest in a group) is of bfloat16's order; a
 // float32 model asked for by name keeps float32 products (engine.py).
 #include <ATen/Parallel.h>
@@ -39,6 +41,14 @@
 namespace {
 
 constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
+
+// Products of a Bits-wide unsigned code and an int8 activation (|a| <= 127) that a 16-bit sum
+// holds: 16 for 4 bits (30,480), 8 for 5, 4 for 6.
+constexpr int sum16_products(int bits) {
+  int n = 1;
+  while (2 * n * ((1 << bits) - 1) * 127 <= 32767) n *= 2;
+  return n;
+}
 
 #ifdef PAGEDSERVE_VNNI
 constexpr bool kVnni = true;
@@ -286,14 +296,6 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 
 #elif defined(PAGEDSERVE_MADDUBS)
 
-// Products of a Bits-wide code and an activation that a 16-bit lane can sum: each vpmaddubsw
-// lane is at most 2 * (2^Bits - 1) * 127 (4 bits: 8 of them, 30,480; 5 bits: 4; 6 bits: 2).
-constexpr int sum16(int bits) {
-  int n = 1;
-  while (2 * n * 2 * ((1 << bits) - 1) * 127 <= 32767) n *= 2;
-  return n;
-}
-
 // A group's codes for one half tile (8 columns) as 8 registers of bytes: quad q's low nibbles at
 // 2q, its high ones at 2q + 1, and a K type's high bits at bit 4 up of each byte.
 template <typename F>
@@ -327,7 +329,7 @@ inline void half_tile_codes(const uint8_t* c, int h, __m256i (&code)[8]) {
 template <typename T, typename F>
 void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
                  const float* bias, T* y, int64_t n, int64_t begin, int64_t end) {
-  constexpr int kSum = sum16(F::kBits);
+  constexpr int kSum = sum16_products(F::kBits) / 2;  // vpmaddubsw lanes (2 products each)
   constexpr int kParts = F::kHalvesDiffer ? 2 : 1;
   constexpr int kWide = 8 / kSum / kParts;  // 16-bit sums widened for each part
   const int64_t groups = k / kGroup;
@@ -349,7 +351,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
           // on each other), then widened and summed per part.
           __m256i p[8];
           for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
-          // (Unrolled by hand's word: GCC left this loop rolled, p in memory, 2.3x slower.)
+          // (Without the pragmas GCC left these loops rolled, p in memory: 2.3x slower.)
 #pragma GCC unroll 4
           for (int s = 1; s < kSum; s *= 2) {
 #pragma GCC unroll 4
@@ -459,21 +461,13 @@ inline I32x4 column_sums(I16x8 v) {
   return low_halves(w) + high_halves(w);
 }
 
-// Rows of Bits-wide code products a 16-bit lane sums (each at most (2^Bits - 1) * 127): 16 (a
-// whole group) for 4 bits, 8 for 5, 4 for 6.
-constexpr int run_rows(int bits) {
-  int rows = 1;
-  while (rows < kTileRows && 2 * rows * ((1 << bits) - 1) * 127 <= 32767) rows *= 2;
-  return rows;
-}
-
 // A group's integer sums, codes of 4 to 6 bits (block Q4 and the K types):
 // acc[i][part][v] = row i's, for columns [4v, 4v + 4) and the part of the group's inputs (its
 // halves where their scales differ: Q6_K).
 template <int R, typename F>
 inline void group_sums(const F& w, int64_t nt, int64_t g, const ActCode* a, int64_t stride,
                        I32x4 (&acc)[R][F::kHalvesDiffer ? 2 : 1][kVecs]) {
-  constexpr int kRun = run_rows(F::kBits);
+  constexpr int kRun = std::min<int>(sum16_products(F::kBits), kTileRows);  // rows a 16-bit sum
   const uint8_t* c = w.tile(nt, g);
   I16x8 sums[R][kVecs] = {};
   for (int q = 0; q < 4; ++q) {
