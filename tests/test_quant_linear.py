@@ -207,6 +207,35 @@ def test_packed_linear_and_embedding_free_the_dense_copy():
     assert torch.equal(table(torch.tensor([3])), weight.dense[3:4])  # in the table's dtype
 
 
+@pytest.mark.parametrize("level", LEVELS)
+def test_q4_0_beside_q4_1_packs_as_one_matrix(level):
+    """A fused weight whose parts mix Q4_0 and Q4_1 (each whole tiles of 16 rows) packs as one
+    matrix: gguf's dequantized rows exactly, and its products those of the dense rows."""
+    rng = np.random.default_rng(7)
+    types = [GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1]
+
+    def weights(rows: tuple[int, ...]) -> list[QuantWeight]:
+        return [
+            QuantWeight(torch.from_numpy(quantize(rng.standard_normal((r, 96), np.float32), t)), t)
+            for r, t in zip(rows, types, strict=False)
+        ]
+
+    parts = weights((48, 16, 32))
+    assert packable(parts)
+    assert not packable(weights((24, 40)))  # whole strips together, but parts not whole tiles
+    packed = PackedWeight.pack(parts)
+    dense = torch.cat([p.dense for p in parts])
+    ids = torch.arange(96)
+    rows = ops_for(level).quant_rows(
+        ids, packed.codes, packed.scales, packed.offsets, packed.bits, torch.float32
+    )
+    assert torch.equal(rows, dense)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(7))
+    got = ops_for(level).quant_linear(x, *packed.kernel_args(None))
+    want = x @ dense.t()
+    assert ((got - want).abs() <= slack(x, dense, want)).all()
+
+
 def test_packing_refuses_mixed_types_and_odd_shapes():
     gen = torch.Generator().manual_seed(6)
     assert packable([random_quant(32, 64, 4, gen)])

@@ -5,13 +5,18 @@ the model holds no dense copy."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
+from gguf import GGMLQuantizationType
 
 from pagedserve.models.gguf_file import QUANT_GROUP, KQuantWeight, QuantWeight
 
 STRIP_COLS = 32  # output columns a kernel thread takes at a time
+TILE_COLS = 16  # output columns a packed tile holds
+# Four-bit block types packed alike (Q4_0's offsets are -8 d): a fused weight may join them.
+_FOUR_BIT_BLOCKS = {GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1}
 
 
 def packed_kernels_available(dtype: torch.dtype) -> bool:
@@ -22,21 +27,33 @@ def packed_kernels_available(dtype: torch.dtype) -> bool:
 
 def packable(parts: list[QuantWeight] | list[KQuantWeight]) -> bool:
     """Whether the row blocks `parts` (a fused weight's pieces) pack into one matrix: one
-    quantization type, and a shape the kernels take."""
+    quantization type (or Q4_0 beside Q4_1, each part whole tiles), and a shape the kernels
+    take."""
     first = parts[0]
     n, k = sum(p.shape[0] for p in parts), first.shape[1]
+    one_type = all(type(p) is type(first) and p.qtype == first.qtype for p in parts)
+    joined = all(
+        isinstance(p, QuantWeight) and p.qtype in _FOUR_BIT_BLOCKS and p.shape[0] % TILE_COLS == 0
+        for p in parts
+    )
     return (
-        all(type(p) is type(first) and p.qtype == first.qtype for p in parts)
+        (one_type or joined)
+        and all(p.shape[1] == k for p in parts)
         and n % STRIP_COLS == 0
         and k % QUANT_GROUP == 0
     )
+
+
+def _cat(tensors) -> torch.Tensor:
+    """The tensors stacked along their first dimension (one: as it is, no copy)."""
+    return torch.cat(list(tensors)) if len(tensors) > 1 else tensors[0]
 
 
 def _stacked_blocks(parts: list[QuantWeight] | list[KQuantWeight]) -> torch.Tensor:
     """The file blocks of the row blocks `parts`, stacked along N (packable ones)."""
     if not packable(parts):
         raise ValueError("these weights do not pack into one matrix")
-    return torch.cat([p.blocks for p in parts]) if len(parts) > 1 else parts[0].blocks
+    return _cat([p.blocks for p in parts])
 
 
 def pack(parts: list[QuantWeight] | list[KQuantWeight]) -> PackedWeight | KPackedWeight:
@@ -62,8 +79,15 @@ class PackedWeight:
         """Pack the row blocks `parts` (a fused weight's pieces, stacked along N)."""
         from pagedserve.cpu_kernels import ops
 
-        blocks = _stacked_blocks(parts)
-        codes, scales, offsets = ops().pack_quant_blocks(blocks, int(parts[0].qtype))
+        if not packable(parts):
+            raise ValueError("these weights do not pack into one matrix")
+        # A packing call takes one type: Q4_0 beside Q4_1 pack apart, their tiles joined.
+        runs = [list(run) for _, run in itertools.groupby(parts, key=lambda p: p.qtype)]
+        packed = [
+            ops().pack_quant_blocks(_cat([p.blocks for p in run]), int(run[0].qtype))
+            for run in runs
+        ]
+        codes, scales, offsets = map(_cat, zip(*packed, strict=True))
         return cls(codes, scales, offsets, parts[0].bits)
 
     def kernel_args(self, bias: torch.Tensor | None) -> tuple:
