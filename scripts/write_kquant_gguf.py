@@ -1,9 +1,9 @@
 """Write a Q4_K_M-style GGUF of random blocks that pagedserve and llama.cpp's server both
 serve, to compare their K-type speeds side by side: Q4_K matrices, Q6_K for the attention
 output, the FFN down projection and the output (tests/test_kquant_linear.py's writer), hidden
-768, FFN 2048, 12 heads (4 KV heads), 24 layers, context 2048 (0.19B parameters; K types need rows of whole
-256s, which the default model's 576 are not), and the default model's tokenizer and vocabulary.
-Its text is noise; the work per token is a real model's.
+768, FFN 2048, 12 heads (4 KV heads), 24 layers, context 2048 (0.19B parameters; K types need
+rows of whole 256s, which the default model's 576 are not), and the default model's tokenizer
+and vocabulary. Its text is noise; the work per token is a real model's.
 
     python scripts/write_kquant_gguf.py /tmp/kquant.gguf
 """
