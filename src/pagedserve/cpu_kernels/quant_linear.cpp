@@ -4,7 +4,7 @@
 // (4-7x fewer than float32). The kernels by regime:
 // - int8_activations (the default but for an explicit float32 model): integer products over
 //   activations quantized per group (quant_linear_int8.cpp) where the level has them for the
-//   codes (block types; K types with AVX2's vpmaddubsw, kInt8Codes) and the row count
+//   codes (block types; K types but with AVX-512 VNNI, kInt8Codes) and the row count
 //   (kInt8MaxRows, kInt8EightBitMinRows), except bf16 steps of over kInt8MaxAmxRows rows where
 //   AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
