@@ -242,7 +242,7 @@ def _use_int8_activations(model: nn.Module) -> None:
             "%d packed matrices multiply activations quantized to int8 per group (%s;"
             " --dtype float32 keeps float32 products)",
             len(chosen),
-            "block and K types" if k_types else "Q4_0/Q4_1/Q8_0; K types not at this level",
+            "K types' too at this level" if k_types else "K types keep float products here",
         )
 
 
