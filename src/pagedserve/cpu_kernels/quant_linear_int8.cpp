@@ -359,7 +359,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
           }
           float* o = acc + i * kTileCols + h * 8;
           __m256 r = _mm256_load_ps(o);
-          const float* sums = x.sum + (i * groups + g) * x.parts;
+          const float* sums = x.sum + (i * groups + g) * kParts;  // kParts == x.parts
           const __m256 s = _mm256_set1_ps(x.scale[i * groups + g]);
           for (int part = 0; part < kParts; ++part) {
             __m256i dot = _mm256_madd_epi16(p[part * kWide * kSum], ones);
