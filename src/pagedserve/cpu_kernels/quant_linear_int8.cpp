@@ -13,9 +13,10 @@
 //   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
 //   inputs of a row are stored 8 times over at quantization (kPickCopies: 32 bytes), read by
 //   a plain load, for four-bit codes as vpmaddubsw's memory operand: a broadcast a product had
-//   cost 15-20% of the linear's time on AMD Zen 1. Eight-bit codes are signed: |c| times a
-//   with c's sign (vpsignb), each product pair widened at once; from kInt8EightBitMinRows rows
-//   on (quant_kernels.h).
+//   cost 15-20% of the linear's time on AMD Zen 1; a chunk's copies are laid out group by
+//   group (kGroupMajor), so the rows of a group are read in order. Eight-bit codes are
+//   signed: |c| times a with c's sign (vpsignb), each product pair widened at once; from
+//   kInt8EightBitMinRows rows on (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
 //   activation pair repeated; both lanes of a column are added once per run of rows. Four-bit
@@ -151,22 +152,41 @@ inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum)
 
 #endif
 
-// Rows of x quantized per group.
+// Copied picks (kPickCopies > 1) are laid out group-major within each chunk of rows: a group's
+// picks of the chunk's rows are contiguous, so a sweep over the rows for one group reads
+// memory in order (row-major, k = 1536 read a row's group 12 KB past the last: 1.5x slower
+// on AMD Zen 3). Uncopied codes stay row-major.
+constexpr bool kGroupMajor = kPickCopies > 1;
+
+// Rows of x quantized per group: row i's codes of group g at codes + i * stride +
+// g * group_stride (within a chunk of rows where kGroupMajor).
 struct QuantizedRows {
-  const ActCode* codes;  // [m, stride]
+  const ActCode* codes;
   const float* scale;    // [m, groups]
   const float* sum;      // [m, groups, parts]
-  int64_t stride;        // codes a row: k * kPickCopies
+  int64_t stride;        // codes from a row to the next: k * kPickCopies, or a group's codes
+  int64_t group_stride;  // codes from a group to the next: a group's, or a chunk's rows' codes
   int64_t parts;         // sums a group: 1, or 2 (its halves' sums, kHalfSums)
 
+  const ActCode* pick(int64_t i, int64_t g) const { return codes + i * stride + g * group_stride; }
+  // Rows from i on, i within one chunk.
   QuantizedRows rows_from(int64_t i, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {codes + i * stride, scale + i * groups, sum + i * groups * parts, stride, parts};
+    return {codes + i * stride, scale + i * groups, sum + i * groups * parts, stride,
+            group_stride, parts};
+  }
+  // The chunk of `rows` rows from row m0 (a multiple of the chunk size quantize_rows took).
+  QuantizedRows chunk(int64_t m0, int64_t rows, int64_t k) const {
+    if constexpr (!kGroupMajor) return rows_from(m0, k);
+    const int64_t groups = k / kGroup;
+    return {codes + m0 * k * kPickCopies, scale + m0 * groups, sum + m0 * groups * parts,
+            stride, rows * stride, parts};
   }
 };
 
+// x's rows quantized, laid out for chunks of `chunk` rows (kGroupMajor).
 template <bool kNibbleOrder, bool kHalfSums, typename T>
-QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
+QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, int64_t chunk) {
   thread_local std::vector<ActCode> codes_buf;  // plain memory: ~120 calls a step
   thread_local std::vector<float> scale_buf, sum_buf;
   constexpr int64_t kGroupCodes = kGroup * kPickCopies;
@@ -183,11 +203,17 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   float* sum = sum_buf.data();
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, codes + i * kGroupCodes, scale + i,
+      int64_t at = i;  // row-major: group i of the flat [m, groups]
+      if constexpr (kGroupMajor) {
+        const int64_t row = i / groups, g = i % groups, m0 = row / chunk * chunk;
+        at = m0 * groups + g * std::min(chunk, m - m0) + (row - m0);
+      }
+      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, codes + at * kGroupCodes, scale + i,
                                               sum + i * kParts);
     }
   });
-  return {codes, scale, sum, groups * kGroupCodes, kParts};
+  if constexpr (kGroupMajor) return {codes, scale, sum, kGroupCodes, 0, kParts};
+  return {codes, scale, sum, groups * kGroupCodes, kGroupCodes, kParts};
 }
 
 #ifdef PAGEDSERVE_VNNI
@@ -213,7 +239,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w
       for (int i = 0; i < R; ++i) {
         // Two 4-byte loads, each broadcast from memory (a load port): one 8-byte load came
         // out as a shift and a broadcast from a general register, on the port vpdpbusd needs.
-        const ActCode* a = x.codes + i * x.stride + g * kGroup + 8 * q;
+        const ActCode* a = x.pick(i, g) + 8 * q;
         acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_broadcastd_epi32(_mm_loadu_si32(a)));
         acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)));
       }
@@ -251,7 +277,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<8>& w
       code_sum = _mm512_dpbusd_epi32(code_sum, ones, v);
       for (int i = 0; i < R; ++i) {
         int32_t a;
-        std::memcpy(&a, x.codes + i * x.stride + g * kGroup + 4 * s, sizeof a);
+        std::memcpy(&a, x.pick(i, g) + 4 * s, sizeof a);
         acc[i] = _mm512_dpbusd_epi32(acc[i], _mm512_set1_epi32(a), v);
       }
     }
@@ -334,7 +360,12 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
   constexpr int kWide = 8 / kSum / kParts;  // 16-bit sums widened for each part
   const int64_t groups = k / kGroup;
   const __m256i ones = _mm256_set1_epi16(1);
+  bool offsets = true;  // K types' m: their mins, or Q6_K's -32 d
+  if constexpr (!F::kKType) offsets = w.offsets != nullptr;
   alignas(32) float acc[kChunkRows * kTileCols];
+  thread_local std::vector<float> offset_buf;
+  offset_buf.resize(groups * kParts * kTileCols);
+  float* tile_offsets = offset_buf.data();  // [groups, parts, 16]: the tile's offsets m
   for (int64_t nt = begin; nt < end; ++nt) {
     std::fill(acc, acc + rows * kTileCols, 0.f);
     for (int64_t g = 0; g < groups; ++g) {
@@ -342,40 +373,60 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
       for (int h = 0; h < 2; ++h) {
         __m256i code[8];
         half_tile_codes<F>(c, h, code);
-        __m256 d[kParts], m[kParts];
-        for (int part = 0; part < kParts; ++part) scales8(w, nt, g, part, h, d[part], m[part]);
+        __m256 d[kParts];
+        for (int part = 0; part < kParts; ++part) {
+          __m256 m;
+          scales8(w, nt, g, part, h, d[part], m);
+          _mm256_storeu_ps(tile_offsets + (g * kParts + part) * kTileCols + h * 8, m);
+        }
         for (int64_t i = 0; i < rows; ++i) {
           // Inputs 4j..4j + 3 in every 32-bit lane of a[j] (kPickCopies).
-          const auto* a = reinterpret_cast<const __m256i*>(x.codes + i * x.stride) + g * 8;
-          // Runs of kSum products summed in 16 bits as a tree (a chain of additions would wait
-          // on each other), then widened and summed per part.
-          __m256i p[8];
-          for (int j = 0; j < 8; ++j) p[j] = _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
-          // (Without the pragmas GCC left these loops rolled, p in memory: 2.3x slower.)
-#pragma GCC unroll 4
-          for (int s = 1; s < kSum; s *= 2) {
-#pragma GCC unroll 4
-            for (int j = 0; j < 8; j += 2 * s) p[j] = _mm256_add_epi16(p[j], p[j + s]);
-          }
+          const auto* a = reinterpret_cast<const __m256i*>(x.pick(i, g));
+          const auto product = [&](int j) {
+            return _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
+          };
           float* o = acc + i * kTileCols + h * 8;
           __m256 r = _mm256_load_ps(o);
-          const float* sums = x.sum + (i * groups + g) * kParts;  // kParts == x.parts
           const __m256 s = _mm256_set1_ps(x.scale[i * groups + g]);
           for (int part = 0; part < kParts; ++part) {
-            __m256i dot = _mm256_madd_epi16(p[part * kWide * kSum], ones);
-            for (int j = 1; j < kWide; ++j) {
-              dot = _mm256_add_epi32(dot, _mm256_madd_epi16(p[(part * kWide + j) * kSum], ones));
+            __m256i dot;
+            for (int run = 0; run < kWide; ++run) {
+              // A run's kSum products summed in 16 bits a pair at a time as they come: a tree
+              // over all 8 kept 16 registers live with the codes, and its spills cost 1.3x on
+              // AMD Zen 3.
+              const int j0 = (part * kWide + run) * kSum;
+              __m256i sum16 = _mm256_add_epi16(product(j0), product(j0 + 1));
+              for (int j = j0 + 2; j < j0 + kSum; j += 2) {
+                sum16 = _mm256_add_epi16(sum16, _mm256_add_epi16(product(j), product(j + 1)));
+              }
+              const __m256i wide = _mm256_madd_epi16(sum16, ones);
+              dot = run ? _mm256_add_epi32(dot, wide) : wide;
             }
             r = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(d[part], s), r);
-            r = _mm256_fmadd_ps(_mm256_set1_ps(sums[part]), m[part], r);
           }
           _mm256_store_ps(o, r);
         }
       }
     }
     for (int64_t i = 0; i < rows; ++i) {
-      store_out(y + i * n + nt * kTileCols, acc + i * kTileCols,
-                bias ? bias + nt * kTileCols : nullptr, kTileCols);
+      float* o = acc + i * kTileCols;
+      if (offsets) {
+        // The offsets' term, sum over groups of sum(x) * m, after the products rather than
+        // in their loop, whose registers it took (two more spills there: 1.1x on Zen 3).
+        __m256 r[2] = {_mm256_load_ps(o), _mm256_load_ps(o + 8)};
+        const float* sums = x.sum + i * groups * kParts;  // kParts == x.parts
+        for (int64_t gp = 0; gp < groups * kParts; ++gp) {
+          const __m256 sum = _mm256_set1_ps(sums[gp]);
+          for (int h = 0; h < 2; ++h) {
+            r[h] = _mm256_fmadd_ps(sum, _mm256_loadu_ps(tile_offsets + gp * kTileCols + h * 8),
+                                   r[h]);
+          }
+        }
+        _mm256_store_ps(o, r[0]);
+        _mm256_store_ps(o + 8, r[1]);
+      }
+      store_out(y + i * n + nt * kTileCols, o, bias ? bias + nt * kTileCols : nullptr,
+                kTileCols);
     }
   }
 }
@@ -412,7 +463,7 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 8 + 4 * h)));
         const __m256 d = _mm256_cvtph_ps(halves);
         for (int64_t i = 0; i < rows; ++i) {
-          const auto* a = reinterpret_cast<const __m256i*>(x.codes + i * x.stride) + g * 8;
+          const auto* a = reinterpret_cast<const __m256i*>(x.pick(i, g));
           const auto product = [&](int s) {  // 4 inputs x 8 columns, summed per column
             const __m256i sign = _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[s]));
             const __m256i signed_a = _mm256_sign_epi8(_mm256_load_si256(a + s), sign);
@@ -541,7 +592,7 @@ inline void tile_rows(const QuantizedRows& x, int64_t k, const F& w, int64_t nt,
   F32x4 out[R][kVecs] = {};
   for (int64_t g = 0; g < groups; ++g) {
     I32x4 acc[R][kParts][kVecs];
-    group_sums<R>(w, nt, g, x.codes + g * kGroup, x.stride, acc);
+    group_sums<R>(w, nt, g, x.pick(0, g), x.stride, acc);
     float d[2][kTileCols], m[2][kTileCols];
     w.group_scales(nt, g, d, m);
     for (int part = 0; part < kParts; ++part) {
@@ -585,8 +636,6 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n) {
-  // Nibble-tile codes (all but Q8_0's) take the activations in their nibbles' order.
-  const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k);
   // Copied codes (kPickCopies) are 8 times the bytes: chunks of at most 256 KB of them stay in
   // L2 beside the tiles (32 rows at k = 576, 16 at k = 1536; 64 and 32 rows measured 2-10%
   // slower on AMD Zen 1).
@@ -594,14 +643,16 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
       kPickCopies > 1
           ? std::clamp<int64_t>((256 << 10) / (kPickCopies * k) / 8 * 8, 8, kChunkRows / 2)
           : kChunkRows;
+  // Nibble-tile codes (all but Q8_0's) take the activations in their nibbles' order.
+  const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k, chunk);
   // One parallel region, not one a chunk (a 2048-token prefill step met ~4,000 barriers); the
   // threads claim a chunk's tiles before the next chunk's, so each chunk is read from memory
   // once (a claim's tiles through every chunk had streamed all of x per claim).
   parallel_chunk_tiles((m + chunk - 1) / chunk, n / kTileCols,
                        [&](int64_t c, int64_t begin, int64_t end) {
-                         const int64_t m0 = c * chunk;
-                         chunk_tiles(q.rows_from(m0, k), std::min(chunk, m - m0), k, w, bias,
-                                     y + m0 * n, n, begin, end);
+                         const int64_t m0 = c * chunk, rows = std::min(chunk, m - m0);
+                         chunk_tiles(q.chunk(m0, rows, k), rows, k, w, bias, y + m0 * n, n,
+                                     begin, end);
                        });
 }
 
