@@ -398,6 +398,10 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
               __m256i sum16 = _mm256_add_epi16(product(j0), product(j0 + 1));
               for (int j = j0 + 2; j < j0 + kSum; j += 2) {
                 sum16 = _mm256_add_epi16(sum16, _mm256_add_epi16(product(j), product(j + 1)));
+                // Kept in this order (GCC had regrouped the additions, 8 products live, and
+                // reloaded d and vpmaddwd's ones from the stack every row: 12 loads a row, 10
+                // with this; the FP load pipes bound the loop).
+                asm("" : "+x"(sum16));
               }
               const __m256i wide = _mm256_madd_epi16(sum16, ones);
               dot = run ? _mm256_add_epi32(dot, wide) : wide;
