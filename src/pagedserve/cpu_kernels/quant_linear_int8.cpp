@@ -161,14 +161,14 @@ constexpr bool kGroupMajor = kPickCopies > 1;
 // Rows of x quantized per group: row i's codes of group g at codes + i * stride +
 // g * group_stride (within a chunk of rows where kGroupMajor).
 struct QuantizedRows {
-  const ActCode* codes;
+  ActCode* codes;        // written by quantize_rows only
   const float* scale;    // [m, groups]
   const float* sum;      // [m, groups, parts]
   int64_t stride;        // codes from a row to the next: k * kPickCopies, or a group's codes
   int64_t group_stride;  // codes from a group to the next: a group's, or a chunk's rows' codes
   int64_t parts;         // sums a group: 1, or 2 (its halves' sums, kHalfSums)
 
-  const ActCode* pick(int64_t i, int64_t g) const { return codes + i * stride + g * group_stride; }
+  ActCode* pick(int64_t i, int64_t g) const { return codes + i * stride + g * group_stride; }
   // Rows from i on, i within one chunk.
   QuantizedRows rows_from(int64_t i, int64_t k) const {
     const int64_t groups = k / kGroup;
@@ -177,10 +177,12 @@ struct QuantizedRows {
   }
   // The chunk of `rows` rows from row m0 (a multiple of the chunk size quantize_rows took).
   QuantizedRows chunk(int64_t m0, int64_t rows, int64_t k) const {
-    if constexpr (!kGroupMajor) return rows_from(m0, k);
-    const int64_t groups = k / kGroup;
-    return {codes + m0 * k * kPickCopies, scale + m0 * groups, sum + m0 * groups * parts,
-            stride, rows * stride, parts};
+    QuantizedRows c = rows_from(m0, k);
+    if constexpr (kGroupMajor) {  // after m0 rows' codes (whole chunks), group by group
+      c.codes = codes + m0 * k * kPickCopies;
+      c.group_stride = rows * stride;
+    }
+    return c;
   }
 };
 
@@ -201,19 +203,18 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, int64_t chunk) {
   codes += (kLine - reinterpret_cast<uintptr_t>(codes) / sizeof(ActCode) % kLine) % kLine;
   float* scale = scale_buf.data();
   float* sum = sum_buf.data();
+  // Group-major: group_stride comes with each chunk (chunk()).
+  const QuantizedRows q =
+      kGroupMajor ? QuantizedRows{codes, scale, sum, kGroupCodes, 0, kParts}
+                  : QuantizedRows{codes, scale, sum, k * kPickCopies, kGroupCodes, kParts};
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      int64_t at = i;  // row-major: group i of the flat [m, groups]
-      if constexpr (kGroupMajor) {
-        const int64_t row = i / groups, g = i % groups, m0 = row / chunk * chunk;
-        at = m0 * groups + g * std::min(chunk, m - m0) + (row - m0);
-      }
-      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, codes + at * kGroupCodes, scale + i,
-                                              sum + i * kParts);
+      const int64_t row = i / groups, m0 = row / chunk * chunk;
+      ActCode* to = q.chunk(m0, std::min(chunk, m - m0), k).pick(row - m0, i % groups);
+      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, to, scale + i, sum + i * kParts);
     }
   });
-  if constexpr (kGroupMajor) return {codes, scale, sum, kGroupCodes, 0, kParts};
-  return {codes, scale, sum, groups * kGroupCodes, kGroupCodes, kParts};
+  return q;
 }
 
 #ifdef PAGEDSERVE_VNNI
