@@ -116,7 +116,7 @@ inline void decode_tile_f32(const BlockFormat<8>& w, int64_t nt, int64_t g, floa
 
 #endif  // PAGEDSERVE_AVX2
 
-#ifdef PAGEDSERVE_AVX512_BF16
+#ifdef PAGEDSERVE_AVX512
 
 // Codes stream through once per step; without prefetching, a thread waits on memory for a
 // third of the time (decode step at batch 1, reference CPU). 4 KB ahead is 8-16 groups.
@@ -131,6 +131,39 @@ inline void prefetch_ahead(const uint8_t* p, int64_t bytes) {
 inline __m512 load_columns(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+
+// The scales d and offsets m of the 16 columns, one lane a column, for half `half` of group
+// g's inputs (the halves differ for Q6_K only).
+template <int Bits>
+inline void scales16(const BlockFormat<Bits>& w, int64_t nt, int64_t g, int /*half*/,
+                     __m512& d, __m512& m) {
+  d = load_columns(w.scale(nt, g));
+  m = w.offsets != nullptr ? load_columns(w.offset(nt, g)) : _mm512_setzero_ps();
+}
+
+template <int Bits>
+inline void scales16(const KFormat<Bits>& w, int64_t nt, int64_t g, int half, __m512& d,
+                     __m512& m) {
+  const float* s = w.super(nt, g);
+  const uint8_t* u = w.sub(nt, g);
+  const auto bytes = [](const uint8_t* p) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  };
+  if constexpr (Bits == 6) {
+    d = _mm512_mul_ps(_mm512_loadu_ps(s),
+                      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(u + half * 16))));
+    m = _mm512_mul_ps(d, _mm512_set1_ps(-32.f));
+  } else {
+    d = _mm512_mul_ps(_mm512_loadu_ps(s), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(u))));
+    m = _mm512_mul_ps(_mm512_loadu_ps(s + 16),
+                      _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(u + 16))));
+    m = _mm512_sub_ps(_mm512_setzero_ps(), m);
+  }
+}
+
+#endif  // PAGEDSERVE_AVX512
+
+#ifdef PAGEDSERVE_AVX512_BF16
 
 // 16 columns' values, each repeated for the two lanes of its pair: lanes 0-15 cover columns
 // 0-7 (lo), lanes 16-31 columns 8-15 (hi).
@@ -192,32 +225,11 @@ inline void emit_quads(const uint8_t* codes, const uint8_t* high, int q0, int qu
 
 // The scales and offsets of the 16 columns for half `half` of group g's inputs, each repeated
 // for the two lanes of its pair (pair_lanes).
-template <int Bits>
-inline void scales_paired(const BlockFormat<Bits>& w, int64_t nt, int64_t g, int /*half*/,
-                          __m512 (&d)[2], __m512 (&m)[2]) {
-  pair_lanes(load_columns(w.scale(nt, g)), d[0], d[1]);
-  m[0] = m[1] = _mm512_setzero_ps();
-  if (w.offsets != nullptr) pair_lanes(load_columns(w.offset(nt, g)), m[0], m[1]);
-}
-
-template <int Bits>
-inline void scales_paired(const KFormat<Bits>& w, int64_t nt, int64_t g, int half,
-                          __m512 (&d)[2], __m512 (&m)[2]) {
-  const __m512 s = _mm512_loadu_ps(w.super(nt, g));
-  const uint8_t* u = w.sub(nt, g);
-  const auto bytes = [](const uint8_t* p) {
-    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  };
+template <typename F>
+inline void scales_paired(const F& w, int64_t nt, int64_t g, int half, __m512 (&d)[2],
+                          __m512 (&m)[2]) {
   __m512 dv, mv;
-  if constexpr (Bits == 6) {
-    dv = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes(u + half * 16))));
-    mv = _mm512_mul_ps(dv, _mm512_set1_ps(-32.f));
-  } else {
-    dv = _mm512_mul_ps(s, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(u))));
-    mv = _mm512_mul_ps(_mm512_loadu_ps(w.super(nt, g) + 16),
-                       _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes(u + 16))));
-    mv = _mm512_sub_ps(_mm512_setzero_ps(), mv);
-  }
+  scales16(w, nt, g, half, dv, mv);
   pair_lanes(dv, d[0], d[1]);
   pair_lanes(mv, m[0], m[1]);
 }
