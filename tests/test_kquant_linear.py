@@ -10,8 +10,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
 from conftest import TOP, agreeing_prefix, assert_int8_products
-from pagedserve.cpu_kernels import ops, ops_for
-from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
+from pagedserve.cpu_kernels import ops_for
+from pagedserve.cpu_kernels.isa import levels_supported
 from pagedserve.models.gguf_file import KQuantWeight
 from pagedserve.models.quant_weight import KPackedWeight, pack, packable
 
@@ -112,17 +112,13 @@ def test_kquant_rows_match_gguf_dequantize(level, dtype, qtype):
     torch.testing.assert_close(got, dense[ids].to(dtype), rtol=2**-22, atol=1e-7)
 
 
-def int8_k_types(level: str) -> bool:
-    """Whether a level multiplies K codes by int8 activations: every level but those with
-    AVX-512 VNNI (whose kernel has no K code path)."""
-    return level in ("generic", "avx2") or "avx512_vnni" not in cpu_info().flags
-
-
-def int8_k_products(level: str, rows: int) -> bool:
-    """Whether kquant_linear takes int8 products for `rows` rows with int8_activations: where
-    the level has them (int8_k_types), every row count from AVX2 on, up to 4 rows portably (as
-    for block types)."""
-    return int8_k_types(level) and (level != "generic" or rows <= 4)
+def int8_k_products(level: str, dtype: torch.dtype, rows: int) -> bool:
+    """Whether kquant_linear takes int8 products for `rows` rows with int8_activations: as for
+    block types' four-bit codes, every row count from AVX2 on, up to 4 rows portably, but not
+    in bf16 steps of over 8 rows where AMX has tiles."""
+    if level == "generic":
+        return rows <= 4
+    return not (level == "amx" and dtype == torch.bfloat16 and rows > 8)
 
 
 def int8_k_reference(x: torch.Tensor, w: KQuantWeight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,7 +154,6 @@ def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, row
     """With int8_activations, K codes take integer products where the level has them
     (int8_k_products), its float or bfloat16 ones elsewhere. Each group's largest activation
     is 64x the others, so a float32 result visibly is not float32 products'."""
-    assert ops_for(level).int8_k_types() == int8_k_types(level)
     (w,), dense = weights(qtype, [(96, 512)], seed=rows * 7 + qtype)
     packed = pack([w])
     packed.int8_activations = True
@@ -168,7 +163,7 @@ def test_kquant_int8_activations_are_llama_cpp_products(level, dtype, qtype, row
     x = x.to(dtype)
     bias = torch.randn(96, generator=gen).to(dtype)
     got = ops_for(level).kquant_linear(x, *packed.kernel_args(bias)).float()
-    reference = int8_k_reference(x, w) if int8_k_products(level, rows) else None
+    reference = int8_k_reference(x, w) if int8_k_products(level, dtype, rows) else None
     assert_int8_products(got, x, dense, bias, reference, slack)
 
 
@@ -191,7 +186,7 @@ def test_kquant_int8_extreme_codes(level, qtype, rows):
     packed.int8_activations = True
     x = torch.full((rows, 512), 3.0)
     got = ops_for(level).kquant_linear(x, *packed.kernel_args(None))
-    if int8_k_products(level, rows):
+    if int8_k_products(level, x.dtype, rows):
         want, bound = int8_k_reference(x, w)
     else:
         want = x @ w.dense.t()
@@ -283,11 +278,11 @@ def test_tiny_kquant_llama_is_packed_and_greedy_equal_to_dense(tmp_path, monkeyp
     assert dense.engine.model.layers[0].self_attn.qkv_proj.packed is None
     assert got == [o.outputs[0].token_ids for o in dense.generate(prompts, params)]
 
-    # The default dtype multiplies int8 activations where the level has K integer products:
+    # The default dtype multiplies int8 activations (K codes' integer products at every level):
     # close to float32 in vLLM's sense (conftest.agreeing_prefix).
     fast = LLM(str(path), kv_cache_memory="4MiB", max_num_batched_tokens=32)
     fast_packed = fast.engine.model.layers[0].mlp.down_proj.packed
-    assert fast_packed.int8_activations == ops().int8_k_types()
+    assert fast_packed.int8_activations
     with_logprobs = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=TOP)
 
     def run(llm) -> list[dict]:

@@ -36,7 +36,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("quant_rows", &quant_rows, nogil);
   m.def("kquant_linear", &kquant_linear, nogil);
   m.def("kquant_rows", &kquant_rows, nogil);
-  m.def("int8_k_types", &int8_k_types);
   m.def("pack_quant_blocks", &pack_quant_blocks, nogil);
   m.def("pack_kquant_blocks", &pack_kquant_blocks, nogil);
 }

@@ -26,16 +26,6 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const fl
 #elif defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_MADDUBS 1
 #endif
-// Formats multiplied over x quantized to int8 per group (quant_linear_int8.cpp): block types at
-// every level; K types but with VNNI (whose kernel has no K code path: K types keep bfloat16
-// or float products there).
-#ifdef PAGEDSERVE_VNNI
-constexpr bool kInt8KTypes = false;
-#else
-constexpr bool kInt8KTypes = true;
-#endif
-template <typename F>
-constexpr bool kInt8Codes = !F::kKType || kInt8KTypes;
 // Rows the integer products take: every count from AVX2 on; the portable ones up to 4 (beyond
 // that torch's matmul over decoded strips, many_rows_linear, is as fast or faster).
 #ifdef PAGEDSERVE_AVX2

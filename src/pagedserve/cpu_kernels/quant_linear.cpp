@@ -3,10 +3,9 @@
 // are bound by reading weights: at 4-8 bits per weight they read 2-4x fewer bytes than bfloat16
 // (4-7x fewer than float32). The kernels by regime:
 // - int8_activations (the default but for an explicit float32 model): integer products over
-//   activations quantized per group (quant_linear_int8.cpp) where the level has them for the
-//   codes (block types; K types but with AVX-512 VNNI, kInt8Codes) and the row count
-//   (kInt8MaxRows, kInt8EightBitMinRows), except bf16 steps of over kInt8MaxAmxRows rows where
-//   AMX has tiles;
+//   activations quantized per group (quant_linear_int8.cpp; every format, every level) where
+//   the level has them for the row count (kInt8MaxRows, kInt8EightBitMinRows), except bf16
+//   steps of over kInt8MaxAmxRows rows where AMX has tiles;
 // - bf16 activations where the level computes bfloat16: block types take AVX-512 BF16 dot
 //   products (quant_linear_gemv_bf16.cpp), for a few rows where AMX serves more, for all rows
 //   where not; more rows of block types, and K types past a few rows, AMX tiles
@@ -60,17 +59,14 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   if (m == 0) return y;
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   const at::Tensor a = x.contiguous();
-  if constexpr (kInt8Codes<F>) {
-    if (int8_activations && m <= kInt8MaxRows &&
-        (F::kBits != 8 || m >= kInt8EightBitMinRows) &&
-        !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
-      if (bf16) {
-        int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
-      } else {
-        int8_linear(a.data_ptr<float>(), m, k, w, b, y.data_ptr<float>(), n);
-      }
-      return y;
+  if (int8_activations && m <= kInt8MaxRows && (F::kBits != 8 || m >= kInt8EightBitMinRows) &&
+      !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
+    if (bf16) {
+      int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
+    } else {
+      int8_linear(a.data_ptr<float>(), m, k, w, b, y.data_ptr<float>(), n);
     }
+    return y;
   }
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (!F::kKType) {
@@ -237,8 +233,6 @@ at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::
                [&](const auto& w) { lookup_as(w, id, m, n, dtype, out); });
   });
 }
-
-bool int8_k_types() { return kInt8KTypes; }
 
 at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
                        const at::Tensor& subs, int64_t bits, at::ScalarType dtype) {

@@ -26,10 +26,6 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at:
                          const at::Tensor& subs, const c10::optional<at::Tensor>& bias,
                          int64_t bits, bool int8_activations);
 
-// Whether this level multiplies K codes with int8 activations (kquant_linear's flag); block
-// codes it does at every level.
-bool int8_k_types();
-
 at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
                        const at::Tensor& subs, int64_t bits, at::ScalarType dtype);
 

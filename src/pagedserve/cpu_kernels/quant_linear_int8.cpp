@@ -1,13 +1,13 @@
-// y = x W^T over block codes (Q4_0/Q4_1, Q8_0) and, but with AVX-512 VNNI, K codes (Q4_K,
-// Q5_K, Q6_K) in integer products, as llama.cpp computes its quantized matmuls: each row of x
+// y = x W^T over block codes (Q4_0/Q4_1, Q8_0) and K codes (Q4_K, Q5_K, Q6_K) in integer
+// products, as llama.cpp computes its quantized matmuls: each row of x
 // is quantized per group of 32 inputs to int8 codes a and a float32 scale s (s = max |x| / 127),
 // and per group sum(x * (c * d + m)) ~ d * s * sum(a * c) + m * sum(x), with sum(x) exact (for
 // Q6_K, whose group halves have their own d and m, per half).
 // The integer sums by level:
 // - AVX-512 VNNI (vpdpbusd, 64 products an instruction): 16 columns a register, a pass of
 //   kPassRows rows kept in registers over a whole column tile. vpdpbusd multiplies unsigned
-//   by signed bytes: four-bit codes are unsigned and a signed; eight-bit codes are signed, so
-//   a + 128 is, and 128 * sum(c) comes off each group's sum.
+//   by signed bytes: codes of 4 to 6 bits are unsigned and a signed; eight-bit codes are
+//   signed, so a + 128 is, and 128 * sum(c) comes off each group's sum.
 // - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes (K
 //   types' high bits ORed in) are shared by every row of the chunk; products are summed in 16
 //   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
@@ -221,36 +221,62 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, int64_t chunk) {
 
 constexpr int64_t kPassRows = 8;  // R int and R float accumulators: 2R of the 32 registers
 
-// Rows [0, R) of the quantized x times column tile nt: out[i] = row i's 16 columns.
-template <int R>
-inline void tile_rows(const QuantizedRows& x, int64_t k, const BlockFormat<4>& w, int64_t nt,
-                      __m512* out) {
+// Rows [0, R) of the quantized x times column tile nt: out[i] = row i's 16 columns. Codes of
+// 4 to 6 bits (block Q4 and the K types): a 32-bit lane of a nibble quad holds 8 inputs of a
+// column, whose low nibbles and high ones are two registers of 4 codes a lane (the activations'
+// kNibbleOrder), a K type's high bits ORed in at bit 4. A Q6_K group's halves (quads 0-1 and
+// 2-3) are scaled each by its own d.
+template <int R, typename F>
+inline void tile_rows(const QuantizedRows& x, int64_t k, const F& w, int64_t nt, __m512* out) {
+  constexpr int kParts = F::kHalvesDiffer ? 2 : 1;
+  constexpr int kQuads = 4 / kParts;  // nibble quads a part
   const int64_t groups = k / kGroup;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  bool offsets = true;  // K types' m: their mins, or Q6_K's -32 d
+  if constexpr (!F::kKType) offsets = w.offsets != nullptr;
   for (int i = 0; i < R; ++i) out[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = w.tile(nt, g);
-    prefetch_ahead(c, 256);
-    __m512i acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
-    for (int q = 0; q < 4; ++q) {
-      const __m512i v = _mm512_loadu_si512(c + q * 64);
-      const __m512i lo = _mm512_and_si512(v, low);
-      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-      for (int i = 0; i < R; ++i) {
-        // Two 4-byte loads, each broadcast from memory (a load port): one 8-byte load came
-        // out as a shift and a broadcast from a general register, on the port vpdpbusd needs.
-        const ActCode* a = x.pick(i, g) + 8 * q;
-        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_broadcastd_epi32(_mm_loadu_si32(a)));
-        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, _mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)));
+    prefetch_ahead(c, F::kTileBytes);
+    for (int part = 0; part < kParts; ++part) {
+      __m512i acc[R];
+      for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_si512();
+      for (int q = part * kQuads; q < (part + 1) * kQuads; ++q) {
+        const __m512i v = _mm512_loadu_si512(c + q * 64);
+        __m512i lo = _mm512_and_si512(v, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        if constexpr (F::kHighBits > 0) {
+          // Quad q's high bits: high quad q / P, at bit `at` of its code's nibble
+          // (quant_layout.h), shifted within 16-bit words to bit 4 of each byte; bits shifted
+          // into the word's other byte fall outside the mask.
+          constexpr int kP = F::kQuadsPerHigh;
+          constexpr int kAndOr = 0xEA;  // ternary logic: (a & b) | c
+          const int at = F::kHighBits * (q % kP);
+          const __m512i mask = _mm512_set1_epi8(static_cast<char>(((1 << F::kHighBits) - 1) << 4));
+          const __m512i hv = _mm512_loadu_si512(c + 256 + q / kP * 64);
+          lo = _mm512_ternarylogic_epi32(_mm512_slli_epi16(hv, 4 - at), mask, lo, kAndOr);
+          hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(hv, at), mask, hi, kAndOr);
+        }
+        for (int i = 0; i < R; ++i) {
+          // Two 4-byte loads, each broadcast from memory (a load port): one 8-byte load came
+          // out as a shift and a broadcast from a general register, on the port vpdpbusd
+          // needs.
+          const ActCode* a = x.pick(i, g) + 8 * q;
+          acc[i] = _mm512_dpbusd_epi32(acc[i], lo, _mm512_broadcastd_epi32(_mm_loadu_si32(a)));
+          acc[i] =
+              _mm512_dpbusd_epi32(acc[i], hi, _mm512_broadcastd_epi32(_mm_loadu_si32(a + 4)));
+        }
       }
-    }
-    const __m512 d = load_columns(w.scale(nt, g));
-    const __m512 m = w.offsets ? load_columns(w.offset(nt, g)) : _mm512_setzero_ps();
-    for (int i = 0; i < R; ++i) {
-      const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i * groups + g]));
-      out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), ds, out[i]);
-      out[i] = _mm512_fmadd_ps(_mm512_set1_ps(x.sum[i * groups + g]), m, out[i]);
+      __m512 d, m;
+      scales16(w, nt, g, part, d, m);
+      for (int i = 0; i < R; ++i) {
+        const __m512 ds = _mm512_mul_ps(d, _mm512_set1_ps(x.scale[i * groups + g]));
+        out[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), ds, out[i]);
+        if (offsets) {
+          const float sum = x.sum[(i * groups + g) * kParts + part];  // kParts == x.parts
+          out[i] = _mm512_fmadd_ps(_mm512_set1_ps(sum), m, out[i]);
+        }
+      }
     }
   }
 }
@@ -667,10 +693,4 @@ void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias
                                       float*, int64_t);                                       \
   template void int8_linear<at::BFloat16, F>(const at::BFloat16*, int64_t, int64_t, const F&, \
                                              const float*, at::BFloat16*, int64_t);
-INSTANTIATE(BlockFormat<4>)
-INSTANTIATE(BlockFormat<8>)
-#ifndef PAGEDSERVE_VNNI
-INSTANTIATE(KFormat<4>)
-INSTANTIATE(KFormat<5>)
-INSTANTIATE(KFormat<6>)
-#endif
+PAGEDSERVE_FOR_EACH_FORMAT(INSTANTIATE)

@@ -233,16 +233,14 @@ def _use_int8_activations(model: nn.Module) -> None:
         for m in model.modules()
         if isinstance(p := getattr(m, "packed", None), (PackedWeight, KPackedWeight))
     }
-    k_types = ops().int8_k_types()
-    chosen = [p for p in packed.values() if isinstance(p, PackedWeight) or k_types]
-    for p in chosen:
+    for p in packed.values():
         p.int8_activations = True
-    if chosen:
+    if packed:
         logger.info(
-            "%d packed matrices multiply activations quantized to int8 per group (%s;"
-            " --dtype float32 keeps float32 products)",
-            len(chosen),
-            "K types' too at this level" if k_types else "K types keep float products here",
+            "%d packed matrices multiply activations quantized to int8 per group at kernel"
+            " level %s (--dtype float32 keeps float32 products)",
+            len(packed),
+            ops().kernel_level(),
         )
 
 

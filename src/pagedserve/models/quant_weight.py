@@ -118,8 +118,7 @@ class KPackedWeight:
     supers: torch.Tensor  # float32 [N / 16, K / 256, 2 or 1, 16]
     subs: torch.Tensor  # uint8 [N / 16, K / 32, 2, 16]
     bits: int
-    # As PackedWeight's, where the level has integer products for K codes (every level but
-    # AVX-512 VNNI's: ops().int8_k_types()); set by the loader.
+    # As PackedWeight's; set by the loader.
     int8_activations: bool = False
 
     @classmethod
