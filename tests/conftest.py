@@ -84,6 +84,12 @@ def assert_int8_products(got, x, dense, bias, reference, slack) -> None:
         assert (got - exact).abs().max() > 10 * slack(x, dense, exact).max()
 
 
+def amx_tiles(level: str, rows: int, int8: bool) -> bool:
+    """Whether a packed linear (block or K type) multiplies bf16 rows with AMX tiles: over 4
+    rows, and over 8 with int8_activations."""
+    return level == "amx" and rows > (8 if int8 else 4)
+
+
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     ids = torch.tensor([prompt_ids])
     with torch.no_grad():

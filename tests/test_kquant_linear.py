@@ -9,7 +9,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize
 
-from conftest import TOP, agreeing_prefix, assert_int8_products
+from conftest import TOP, agreeing_prefix, amx_tiles, assert_int8_products
 from pagedserve.cpu_kernels import ops_for
 from pagedserve.cpu_kernels.isa import levels_supported
 from pagedserve.models.gguf_file import KQuantWeight
@@ -97,6 +97,26 @@ def test_kquant_linear_matches_gguf_dequantize(level, dtype, qtype, rows):
         got = ops_for(level).kquant_linear(x, *packed.kernel_args(b))
         assert got.dtype == dtype and got.shape == want.shape
         assert ((got.float() - want).abs() <= slack(x, dense, want)).all()
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 9, 33])
+@pytest.mark.parametrize("int8", [False, True])
+def test_float_out_gives_bf16_rows_float32_sums(level, qtype, rows, int8):
+    """As test_quant_linear's: with float_out, bf16 rows' float32 sums before rounding."""
+    parts, _ = weights(qtype, [(32, 512)], seed=rows + qtype)
+    packed = pack(parts)
+    packed.int8_activations = int8
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    kernels = ops_for(level)
+    got = kernels.kquant_linear(x, *packed.kernel_args(None), float_out=True)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, got.bfloat16().float())
+    if amx_tiles(level, rows, int8):
+        assert torch.equal(got.bfloat16(), kernels.kquant_linear(x, *packed.kernel_args(None)))
+    else:
+        assert torch.equal(got, kernels.kquant_linear(x.float(), *packed.kernel_args(None)))
 
 
 @pytest.mark.parametrize("level", LEVELS)

@@ -9,7 +9,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
-from conftest import assert_int8_products
+from conftest import amx_tiles, assert_int8_products
 from pagedserve.cpu_kernels import ops_for
 from pagedserve.cpu_kernels.isa import cpu_info, levels_supported
 from pagedserve.models.gguf_file import QuantWeight
@@ -192,6 +192,42 @@ def test_int8_activations_are_llama_cpp_products(level, dtype, bits, rows, k):
     int8 = int8_products(level, dtype, bits, rows)
     reference = int8_reference(x, weight) if int8 else None
     assert_int8_products(got, x, weight.dense, bias, reference, slack)
+
+
+@pytest.mark.parametrize("level", LEVELS)
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("rows", [1, 4, 5, 8, 9, 33])
+@pytest.mark.parametrize("int8", [False, True])
+def test_float_out_gives_bf16_rows_float32_sums(level, bits, rows, int8):
+    """float_out (the output matrix's logits): bf16 activations, float32 results that are the
+    kernel's sums before rounding: AMX tiles' sums, of which the bf16 result is the rounding,
+    and elsewhere exactly the products of the same activations given as float32."""
+    gen = torch.Generator().manual_seed(rows * bits + int8)
+    weight = random_quant(64, 192, bits, gen)
+    packed = PackedWeight.pack([weight])
+    packed.int8_activations = int8
+    x = torch.randn(rows, 192, generator=gen).to(torch.bfloat16)
+    kernels = ops_for(level)
+    got = kernels.quant_linear(x, *packed.kernel_args(None), float_out=True)
+    assert got.dtype == torch.float32
+    assert not torch.equal(got, got.bfloat16().float())  # not rounded to bf16
+    if amx_tiles(level, rows, int8):
+        assert torch.equal(got.bfloat16(), kernels.quant_linear(x, *packed.kernel_args(None)))
+    else:
+        assert torch.equal(got, kernels.quant_linear(x.float(), *packed.kernel_args(None)))
+
+
+def test_output_matrix_returns_float32():
+    """Linear.float_out: packed weights' float32 sums, dense ones' product upcast."""
+    gen = torch.Generator().manual_seed(9)
+    weight = random_quant(64, 64, 8, gen)
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    packed, dense = Linear(64, 64, bias=False), Linear(64, 64, bias=False)
+    packed.use_packed(PackedWeight.pack([weight]))
+    dense.weight.data = weight.dense.bfloat16()
+    packed.float_out = dense.float_out = True
+    assert packed(x).dtype == dense(x).dtype == torch.float32
+    assert torch.equal(dense(x), torch.nn.functional.linear(x, dense.weight).float())
 
 
 def test_packed_linear_and_embedding_free_the_dense_copy():

@@ -81,7 +81,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
-        """Logits (the model's dtype) of the step's `sample_tokens` (empty on tensor-parallel
+        """Logits (float32) of the step's `sample_tokens` (empty on tensor-parallel
         ranks but 0)."""
         meta = self.build_metadata(step)
         dev = self.device
@@ -89,7 +89,7 @@ class ModelRunner:
         return self.model.compute_logits(hidden[step.sample_tokens.to(dev)]).cpu()
 
     def execute(self, out: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Run one step; returns logits (the model's dtype) of the last new token of each
+        """Run one step; returns logits (float32) of the last new token of each
         `sample_rows` row of `out.scheduled`."""
         return self.run(self.tables.apply(self.planner.plan(out, sample_rows)))
 

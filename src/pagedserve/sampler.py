@@ -100,16 +100,17 @@ def _draw(probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximum (torch.argmax's choice); on CPU by a C++ kernel that reads
-    bfloat16 logits as they are (torch's argmax is ~1 ms at batch 32 of a 49k vocabulary)."""
+    """Each row's first maximum (torch.argmax's choice); on CPU by a C++ kernel (torch's
+    argmax is ~1 ms at batch 32 of a 49k vocabulary)."""
     return ops().argmax_rows(logits) if logits.is_cpu else logits.argmax(dim=-1)
 
 
 def sample(
     logits: torch.Tensor, seqs: list[Sequence], eos_ids: list[int], mask: StepMask | None = None
 ) -> SamplerOutput:
-    """logits: [len(seqs), vocab] for each sequence's last position, in the model's dtype
-    (all arithmetic on them is in float32); `mask` constrains some of the rows."""
+    """logits: [len(seqs), vocab] for each sequence's last position, float32 (the output
+    matrix's, models/linear.py; other dtypes are computed on in float32); `mask` constrains
+    some of the rows."""
     if mask is not None:
         logits = apply_bitmask(logits, mask)
     raw = logits

@@ -32,9 +32,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_layer", &decode_layer, nogil);
   m.def("amx_available", &amx_available, nogil);
   m.def("kernel_level", [] { return std::string(kernel_level_name()); });
-  m.def("quant_linear", &quant_linear, nogil);
+  // float_out: float32 y from bf16 x (the output matrix's logits).
+  m.def("quant_linear", &quant_linear, py::arg("x"), py::arg("codes"), py::arg("scales"),
+        py::arg("offsets"), py::arg("bias"), py::arg("bits"), py::arg("int8_activations"),
+        py::arg("float_out") = false, nogil);
   m.def("quant_rows", &quant_rows, nogil);
-  m.def("kquant_linear", &kquant_linear, nogil);
+  m.def("kquant_linear", &kquant_linear, py::arg("x"), py::arg("codes"), py::arg("supers"),
+        py::arg("subs"), py::arg("bias"), py::arg("bits"), py::arg("int8_activations"),
+        py::arg("float_out") = false, nogil);
   m.def("kquant_rows", &kquant_rows, nogil);
   m.def("pack_quant_blocks", &pack_quant_blocks, nogil);
   m.def("pack_kquant_blocks", &pack_kquant_blocks, nogil);

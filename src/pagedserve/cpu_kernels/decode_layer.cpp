@@ -10,9 +10,9 @@ namespace {
 at::Tensor packed_linear(const at::Tensor& x, const PackedLinear& w) {
   const auto& [codes, scales, offsets, bias, bits, int8_activations] = w;
   if (scales.scalar_type() == at::kFloat) {
-    return kquant_linear(x, codes, scales, offsets.value(), bias, bits, int8_activations);
+    return kquant_linear(x, codes, scales, offsets.value(), bias, bits, int8_activations, false);
   }
-  return quant_linear(x, codes, scales, offsets, bias, bits, int8_activations);
+  return quant_linear(x, codes, scales, offsets, bias, bits, int8_activations, false);
 }
 
 }  // namespace

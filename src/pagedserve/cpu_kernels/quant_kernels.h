@@ -65,8 +65,8 @@ struct RowBlocks {
   }
 };
 
-// bf16 x, any number of rows: AMX tiles (quant_linear_amx.cpp).
-template <typename F>
-void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& w, const float* bias,
-                at::BFloat16* y, int64_t n);
+// bf16 x, any number of rows: AMX tiles (quant_linear_amx.cpp); y bf16 or float32 (O).
+template <typename F, typename O>
+void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& w, const float* bias, O* y,
+                int64_t n);
 #endif

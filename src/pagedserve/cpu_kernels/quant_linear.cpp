@@ -45,8 +45,8 @@ void float_linear(const float* x, int64_t m, int64_t k, const F& w, const float*
 
 template <typename F>
 at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tensor>& bias,
-                  int64_t n, bool int8_activations) {
-  const bool bf16 = x.scalar_type() == at::kBFloat16;
+                  int64_t n, bool int8_activations, bool float_out) {
+  bool bf16 = x.scalar_type() == at::kBFloat16;
   TORCH_CHECK((bf16 || x.scalar_type() == at::kFloat) && x.dim() == 2,
               "quant_linear: x float32 or bf16 [M, K]");
   const int64_t m = x.size(0), k = x.size(1);
@@ -55,12 +55,20 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   TORCH_CHECK(n % (2 * kTileCols) == 0, "quant_linear: output size must be a multiple of 32");
   at::Tensor bias_f;
   if (bias.has_value()) bias_f = bias->to(at::kFloat).contiguous();
-  auto y = x.new_empty({m, n});
+  auto y = x.new_empty({m, n}, float_out ? at::kFloat : x.scalar_type());
   if (m == 0) return y;
   const float* b = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
-  const at::Tensor a = x.contiguous();
-  if (int8_activations && m <= kInt8MaxRows && (F::kBits != 8 || m >= kInt8EightBitMinRows) &&
-      !(bf16 && m > kInt8MaxAmxRows && amx_available())) {
+  const bool int8 = int8_activations && m <= kInt8MaxRows &&
+                    (F::kBits != 8 || m >= kInt8EightBitMinRows);
+  const bool amx = bf16 && m > kGemvMaxRows && amx_available();
+  at::Tensor a = x.contiguous();
+  if (float_out && bf16 && !(amx && (!int8 || m > kInt8MaxAmxRows))) {
+    // Float32 sums from float32 activations: bf16 -> float32 is exact, so the products are
+    // the same; AMX tiles alone take bf16 rows and write float32.
+    a = a.to(at::kFloat);
+    bf16 = false;
+  }
+  if (int8 && !(bf16 && m > kInt8MaxAmxRows && amx)) {
     if (bf16) {
       int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
     } else {
@@ -70,7 +78,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   }
 #ifdef PAGEDSERVE_AVX512_BF16
   if constexpr (!F::kKType) {
-    if (bf16 && (m <= kGemvMaxRows || !amx_available())) {
+    if (bf16 && !amx) {
       gemv_bf16_linear(a, w.codes, w.scales, w.offsets, b, y.data_ptr<at::BFloat16>(), n,
                        F::kBits);
       return y;
@@ -78,7 +86,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   }
 #endif
 #ifdef PAGEDSERVE_AMX
-  if (bf16 && m > kGemvMaxRows && amx_available()) {
+  if (bf16 && amx) {
     const at::BFloat16* xp = a.data_ptr<at::BFloat16>();
     const int64_t full = m / kTileRows * kTileRows;
     // Plain memory, not a tensor: a step's ~120 calls paid ~1 ms for at::zeros and copy_.
@@ -87,7 +95,12 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
       tail.assign(kTileRows * k, at::BFloat16(0.f));
       std::memcpy(tail.data(), xp + full * k, (m - full) * k * sizeof(at::BFloat16));
     }
-    amx_linear(RowBlocks{xp, tail.data(), full, k}, m, k, w, b, y.data_ptr<at::BFloat16>(), n);
+    const RowBlocks rows{xp, tail.data(), full, k};
+    if (float_out) {
+      amx_linear(rows, m, k, w, b, y.data_ptr<float>(), n);
+    } else {
+      amx_linear(rows, m, k, w, b, y.data_ptr<at::BFloat16>(), n);
+    }
     return y;
   }
 #endif
@@ -206,20 +219,20 @@ bool amx_available() {
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t bits,
-                        bool int8_activations) {
+                        bool int8_activations, bool float_out) {
   at::Tensor y;
   with_block(codes, scales, offsets, bits, [&](const auto& w) {
-    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations);
+    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations, float_out);
   });
   return y;
 }
 
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& supers,
                          const at::Tensor& subs, const c10::optional<at::Tensor>& bias,
-                         int64_t bits, bool int8_activations) {
+                         int64_t bits, bool int8_activations, bool float_out) {
   at::Tensor y;
   with_k(codes, supers, subs, bits, [&](const auto& w) {
-    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations);
+    y = linear(x, w, bias, codes.size(0) * kTileCols, int8_activations, float_out);
   });
   return y;
 }

@@ -5,14 +5,15 @@
 
 #include <tuple>
 
-// y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x, y
-// and the bias float32 or bf16 (x's dtype). With `int8_activations`, W multiplies x quantized to
+// y [M, N] = x [M, K] @ W^T (+ bias), W of a block type (Q4_0/Q4_1: 4 bits, Q8_0: 8); x and
+// the bias float32 or bf16, y x's dtype, or float32 with `float_out` (the float32 sums as they
+// are: logits without bfloat16's ties). With `int8_activations`, W multiplies x quantized to
 // int8 per group where the level has integer products for its codes (quant_linear_int8.cpp);
 // without, products are float32 (or bfloat16 where the level computes it).
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                         const c10::optional<at::Tensor>& offsets,
                         const c10::optional<at::Tensor>& bias, int64_t bits,
-                        bool int8_activations);
+                        bool int8_activations, bool float_out);
 
 // Rows `ids` of W, dequantized to `dtype` (float32 or bf16) [M, K] (an embedding lookup on
 // tied weights).
@@ -24,7 +25,7 @@ at::Tensor quant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::
 // `supers`, uint8 group scales `subs`).
 at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& supers,
                          const at::Tensor& subs, const c10::optional<at::Tensor>& bias,
-                         int64_t bits, bool int8_activations);
+                         int64_t bits, bool int8_activations, bool float_out);
 
 at::Tensor kquant_rows(const at::Tensor& ids, const at::Tensor& codes, const at::Tensor& supers,
                        const at::Tensor& subs, int64_t bits, at::ScalarType dtype);

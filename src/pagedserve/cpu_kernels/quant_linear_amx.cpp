@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <memory>
+#include <type_traits>
 
 #include "amx.h"
 #include "quant_decode.h"
@@ -14,20 +15,26 @@
 
 namespace {
 
-// Accumulator tile `c` (16x16 float32, at `acc`) -> rows [m0, m0 + rows) of y, columns
-// [n0, n0 + 16), plus the bias.
-inline void store_tile(const float* acc, at::BFloat16* y, int64_t ldy, int64_t m0, int64_t rows,
-                       int64_t n0, const float* bias) {
+// Accumulator tile `c` (16x16 float32, at `acc`) -> rows [m0, m0 + rows) of y (bf16 or
+// float32), columns [n0, n0 + 16), plus the bias.
+template <typename O>
+inline void store_tile(const float* acc, O* y, int64_t ldy, int64_t m0, int64_t rows, int64_t n0,
+                       const float* bias) {
   const __m512 b = bias != nullptr ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 v = _mm512_add_ps(_mm512_loadu_ps(acc + r * 16), b);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * ldy + n0),
-                        (__m256i)_mm512_cvtneps_pbh(v));
+    if constexpr (std::is_same_v<O, float>) {
+      _mm512_storeu_ps(y + (m0 + r) * ldy + n0, v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + (m0 + r) * ldy + n0),
+                          (__m256i)_mm512_cvtneps_pbh(v));
+    }
   }
 }
 
 // Sums 0-3 plus the bias to y: rows [m0, m0 + min(rows, 32)), columns [n0, n0 + 32).
-inline void store_sums(at::BFloat16* y, int64_t ldy, int64_t m0, int64_t rows, int64_t n0,
+template <typename O>
+inline void store_sums(O* y, int64_t ldy, int64_t m0, int64_t rows, int64_t n0,
                        const float* bias) {
   alignas(64) float acc[16 * 16];
   const int64_t rows0 = std::min<int64_t>(kTileRows, rows);
@@ -63,9 +70,9 @@ inline void multiply_group(const uint16_t* w0, const uint16_t* w1, const char* a
 // amx_linear for steps of at most 32 rows (decode): each group's two weight tiles are used
 // by every row as soon as they are decoded, in L1, instead of a run of strips decoded to L2
 // first (all packed linears of a batch-32 step of the default model: 11.1-15.0 -> 9.9-12.0 ms).
-template <typename F>
+template <typename F, typename O>
 void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const F& wt, const float* bias,
-                         at::BFloat16* y, int64_t n) {
+                         O* y, int64_t n) {
   const int64_t groups = k / kGroup;
   const int64_t lda = k * 2;
   const bool two = m > kTileRows;
@@ -94,9 +101,9 @@ void amx_linear_one_pass(const RowBlocks& x, int64_t m, int64_t k, const F& wt, 
 
 }  // namespace
 
-template <typename F>
-void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& wt, const float* bias,
-                at::BFloat16* y, int64_t n) {
+template <typename F, typename O>
+void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& wt, const float* bias, O* y,
+                int64_t n) {
   if (m <= 2 * kTileRows) {
     amx_linear_one_pass(x, m, k, wt, bias, y, n);
     return;
@@ -145,9 +152,11 @@ void amx_linear(const RowBlocks& x, int64_t m, int64_t k, const F& wt, const flo
   });
 }
 
-#define INSTANTIATE(F)                                                                 \
-  template void amx_linear<F>(const RowBlocks&, int64_t, int64_t, const F&, const float*, \
-                              at::BFloat16*, int64_t);
+#define INSTANTIATE(F)                                                                    \
+  template void amx_linear<F, at::BFloat16>(const RowBlocks&, int64_t, int64_t, const F&,    \
+                                            const float*, at::BFloat16*, int64_t);           \
+  template void amx_linear<F, float>(const RowBlocks&, int64_t, int64_t, const F&,           \
+                                     const float*, float*, int64_t);
 PAGEDSERVE_FOR_EACH_FORMAT(INSTANTIATE)
 
 #endif  // PAGEDSERVE_AMX

@@ -75,6 +75,11 @@ def embedding(num_embeddings: int, embedding_dim: int, tp: TPGroup | None) -> Em
 
 
 def lm_head(in_features: int, vocab_size: int, tp: TPGroup | None) -> Linear:
-    if tp is None:
-        return Linear(in_features, vocab_size, bias=False)
-    return ParallelLMHead(in_features, vocab_size, tp)
+    """The output matrix: float32 logits (Linear.float_out)."""
+    head = (
+        Linear(in_features, vocab_size, bias=False)
+        if tp is None
+        else ParallelLMHead(in_features, vocab_size, tp)
+    )
+    head.float_out = True
+    return head

@@ -17,16 +17,22 @@ class Linear(nn.Linear):
 
     packed: PackedWeight | KPackedWeight | None = None
     blocked: torch.Tensor | None = None  # the weight in oneDNN's blocked layout (CPU)
+    # float32 output whatever x's dtype (the output matrix: logits). Packed weights write their
+    # float32 sums unrounded, so bfloat16 activations do not round near-equal logits into ties
+    # (argmax then took the lower token id); dense ones upcast the model dtype's product.
+    float_out: bool = False
 
     def reset_parameters(self) -> None:
         pass
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.linear(x, self.bias)
+            return self.packed.linear(x, self.bias, self.float_out)
         if self.blocked is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
-        return super().forward(x)
+            y = torch.ops.mkldnn._linear_pointwise(x, self.blocked, self.bias, "none", [], "")
+        else:
+            y = super().forward(x)
+        return y.float() if self.float_out else y
 
     def use_packed(self, packed: PackedWeight | KPackedWeight) -> None:
         """Multiply by `packed` from now on; the dense weight is freed."""

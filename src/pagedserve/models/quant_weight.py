@@ -94,10 +94,13 @@ class PackedWeight:
         """This matrix (and a bias) as the C++ kernels take it."""
         return self.codes, self.scales, self.offsets, bias, self.bits, self.int8_activations
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
+    ) -> torch.Tensor:
+        """x @ W^T (+ bias), in x's dtype or with `float_out` the float32 sums."""
         from pagedserve.cpu_kernels import ops
 
-        return ops().quant_linear(x, *self.kernel_args(bias))
+        return ops().quant_linear(x, *self.kernel_args(bias), float_out)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the matrix as `dtype` (an embedding lookup)."""
@@ -135,10 +138,13 @@ class KPackedWeight:
         from a block type's by the float32 scales)."""
         return self.codes, self.supers, self.subs, bias, self.bits, self.int8_activations
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def linear(
+        self, x: torch.Tensor, bias: torch.Tensor | None, float_out: bool = False
+    ) -> torch.Tensor:
+        """x @ W^T (+ bias), in x's dtype or with `float_out` the float32 sums."""
         from pagedserve.cpu_kernels import ops
 
-        return ops().kquant_linear(x, *self.kernel_args(bias))
+        return ops().kquant_linear(x, *self.kernel_args(bias), float_out)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the matrix as `dtype` (an embedding lookup)."""
