@@ -61,14 +61,16 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   const bool int8 = int8_activations && m <= kInt8MaxRows &&
                     (F::kBits != 8 || m >= kInt8EightBitMinRows);
   const bool amx = bf16 && m > kGemvMaxRows && amx_available();
+  // AMX tiles take bf16 steps of over kInt8MaxAmxRows rows even where int8 products serve.
+  const bool amx_tiles = amx && (!int8 || m > kInt8MaxAmxRows);
   at::Tensor a = x.contiguous();
-  if (float_out && bf16 && !(amx && (!int8 || m > kInt8MaxAmxRows))) {
+  if (float_out && bf16 && !amx_tiles) {
     // Float32 sums from float32 activations: bf16 -> float32 is exact, so the products are
     // the same; AMX tiles alone take bf16 rows and write float32.
     a = a.to(at::kFloat);
     bf16 = false;
   }
-  if (int8 && !(bf16 && m > kInt8MaxAmxRows && amx)) {
+  if (int8 && !amx_tiles) {
     if (bf16) {
       int8_linear(a.data_ptr<at::BFloat16>(), m, k, w, b, y.data_ptr<at::BFloat16>(), n);
     } else {
@@ -86,7 +88,7 @@ at::Tensor linear(const at::Tensor& x, const F& w, const c10::optional<at::Tenso
   }
 #endif
 #ifdef PAGEDSERVE_AMX
-  if (bf16 && amx) {
+  if (amx_tiles) {
     const at::BFloat16* xp = a.data_ptr<at::BFloat16>();
     const int64_t full = m / kTileRows * kTileRows;
     // Plain memory, not a tensor: a step's ~120 calls paid ~1 ms for at::zeros and copy_.
