@@ -1,8 +1,9 @@
 // Causal attention of prefill chunks over their KV pages (cached context and the chunk's own
 // rows), every chunk of a step in one call. A unit is one chunk and KV head, handed out
-// longest context first to whichever thread is free; the amx level takes bf16 units of head
-// size 64 or 128 over bf16 or int8 pages on AMX tiles (prefill_attention_amx.cpp), every other
-// unit goes to the portable unit below, which the compiler vectorizes at each level.
+// longest context first to whichever thread is free; where the CPU multiplies bfloat16
+// natively (amx, and avx512 with AVX-512 BF16), bf16 units of head size 64 or 128 over bf16 or
+// int8 pages go to the bfloat16 unit (prefill_attention_bf16.cpp: AMX tiles or vdpbf16ps),
+// every other unit to the portable unit below, which the compiler vectorizes at each level.
 //
 // The portable unit converts the unit's keys once to float32 in blocks of 16 keys transposed
 // ([block][dim][16]) and its values to float32 rows, both shared by the KV head's query heads.
@@ -158,8 +159,8 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
   }
   const int64_t hq = q.size(1), hk = k_cache.size(2), g = hq / hk, d = q.size(2);
   const std::vector<int64_t> order = longest_first(contexts, chunks, hk);
-#ifdef PAGEDSERVE_AMX
-  const bool amx = prefill_unit_amx_supported(q);
+#ifdef PAGEDSERVE_AVX512_BF16
+  const bool bf16_unit = prefill_unit_bf16_supported(q);
 #endif
   dispatch_kv(q.scalar_type(), k_cache.scalar_type(), "prefill_attention", [&](auto tag,
                                                                                auto cache_tag) {
@@ -185,11 +186,11 @@ void prefill_attention_(const at::Tensor& q, const at::Tensor& k_cache,
           g,
           d,
           static_cast<float>(scale)};
-#ifdef PAGEDSERVE_AMX
+#ifdef PAGEDSERVE_AVX512_BF16
       if constexpr (std::is_same_v<scalar_t, at::BFloat16> &&
                     (std::is_same_v<cache_t, at::BFloat16> || std::is_same_v<cache_t, int8_t>)) {
-        if (amx) {
-          prefill_unit_amx(u);
+        if (bf16_unit) {
+          prefill_unit_bf16(u);
           return;
         }
       }

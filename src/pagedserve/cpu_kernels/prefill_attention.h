@@ -1,5 +1,5 @@
-// Causal attention of prefill chunks over their pages (prefill_attention.cpp; the AMX unit in
-// prefill_attention_amx.cpp).
+// Causal attention of prefill chunks over their pages (prefill_attention.cpp; the bfloat16
+// unit in prefill_attention_bf16.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -49,10 +49,10 @@ struct PrefillUnit {
   float scale;
 };
 
-#ifdef PAGEDSERVE_AMX
-// Whether the AMX unit serves q (bf16, head size 64 or 128, AMX granted by Linux), over bf16
-// or int8 pages (C: at::BFloat16 or int8_t).
-bool prefill_unit_amx_supported(const at::Tensor& q);
+#ifdef PAGEDSERVE_AVX512_BF16
+// Whether the bfloat16 unit serves q (bf16, head size 64 or 128), over bf16 or int8 pages (C:
+// at::BFloat16 or int8_t): on AMX tiles where this build and Linux allow, else in vdpbf16ps.
+bool prefill_unit_bf16_supported(const at::Tensor& q);
 template <typename C>
-void prefill_unit_amx(const PrefillUnit<at::BFloat16, C>& u);
+void prefill_unit_bf16(const PrefillUnit<at::BFloat16, C>& u);
 #endif
