@@ -11,10 +11,10 @@
 // - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes (K
 //   types' high bits ORed in) are shared by every row of the chunk; products are summed in 16
 //   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
-//   inputs of a row are stored 8 times over at quantization (kPickCopies: 32 bytes), read by
-//   a plain load, for four-bit codes as vpmaddubsw's memory operand: a broadcast a product had
-//   cost 15-20% of the linear's time on AMD Zen 1; a chunk's copies are laid out group by
-//   group (kGroupMajor), so the rows of a group are read in order. Eight-bit codes are
+//   inputs of a row are broadcast from memory (pick4). Eight copies of them stored at
+//   quantization, read by plain loads, had made a chunk's activations 8x the bytes, read from
+//   L2 at every tile: the broadcasts measured 1.0-1.12x faster on AMD Zen 3 (where an earlier
+//   form of them had cost 15-20% on AMD Zen 1, whose 256-bit ops are two). Eight-bit codes are
 //   signed: |c| times a with c's sign (vpsignb), each product pair widened at once; from
 //   kInt8EightBitMinRows rows on (quant_kernels.h).
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
@@ -63,7 +63,13 @@ using ActCode = uint8_t;  // the byte operand of vpmaddubsw / vpdpbusd
 
 // Copies of each 4 codes a quantized row holds: 8 (a 32-byte register's worth) where
 // vpmaddubsw multiplies them, 1 for vpdpbusd's broadcasts.
-constexpr int64_t kPickCopies = kVnni ? 1 : 8;
+// Inputs 4j..4j + 3 of a row's group (its codes p) in every 32-bit lane: vpbroadcastd from
+// memory, an op of the load pipes alone.
+inline __m256i pick4(const uint8_t* p, int j) {
+  int32_t v;
+  std::memcpy(&v, p + 4 * j, sizeof v);
+  return _mm256_set1_epi32(v);
+}
 
 inline float reduce_add(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -80,7 +86,7 @@ inline float reduce_max(__m256 v) {
 // (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
 // column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
 // ones. Eight-bit codes': inputs in order, a + 128 (unsigned) for vpdpbusd, a for vpsignb.
-// Stored as kPickCopies copies of each 4 codes (32 * kPickCopies bytes). The sum is the
+// The sum is the
 // group's, or with kHalfSums its two halves' (inputs 0-15, 16-31).
 template <bool kNibbleOrder, bool kHalfSums, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
@@ -112,21 +118,12 @@ inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum)
   __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
   if constexpr (kVnni && !kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
-  if constexpr (kPickCopies == 8) {
-    for (int j = 0; j < 8; ++j) {
-      _mm256_store_si256(reinterpret_cast<__m256i*>(codes) + j,
-                         _mm256_permutevar8x32_epi32(bytes, _mm256_set1_epi32(j)));
-    }
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
-  }
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
 }
 
 #else  // portable
 
 using ActCode = int16_t;  // int8 values, widened once here rather than at every product
-
-constexpr int64_t kPickCopies = 1;
 
 // One group of 32 inputs -> 32 codes in input order (every code width), its scale and sum
 // (or, kHalfSums, its halves' sums).
@@ -152,50 +149,31 @@ inline void quantize_group(const T* x, ActCode* codes, float* scale, float* sum)
 
 #endif
 
-// Copied picks (kPickCopies > 1) are laid out group-major within each chunk of rows: a group's
-// picks of the chunk's rows are contiguous, so a sweep over the rows for one group reads
-// memory in order (row-major, k = 1536 read a row's group 12 KB past the last: 1.5x slower
-// on AMD Zen 3). Uncopied codes stay row-major.
-constexpr bool kGroupMajor = kPickCopies > 1;
-
-// Rows of x quantized per group: row i's codes of group g at codes + i * stride +
-// g * group_stride (within a chunk of rows where kGroupMajor).
+// Rows of x quantized per group: row i's codes of group g at codes + i * stride + g * kGroup.
 struct QuantizedRows {
-  ActCode* codes;        // written by quantize_rows only
-  const float* scale;    // [m, groups]
-  const float* sum;      // [m, groups, parts]
-  int64_t stride;        // codes from a row to the next: k * kPickCopies, or a group's codes
-  int64_t group_stride;  // codes from a group to the next: a group's, or a chunk's rows' codes
-  int64_t parts;         // sums a group: 1, or 2 (its halves' sums, kHalfSums)
+  ActCode* codes;      // written by quantize_rows only
+  const float* scale;  // [m, groups]
+  const float* sum;    // [m, groups, parts]
+  int64_t stride;      // codes from a row to the next: k
+  int64_t parts;       // sums a group: 1, or 2 (its halves' sums, kHalfSums)
 
-  ActCode* pick(int64_t i, int64_t g) const { return codes + i * stride + g * group_stride; }
-  // Rows from i on, i within one chunk.
+  ActCode* pick(int64_t i, int64_t g) const { return codes + i * stride + g * kGroup; }
+  // Rows from i on.
   QuantizedRows rows_from(int64_t i, int64_t k) const {
     const int64_t groups = k / kGroup;
-    return {codes + i * stride, scale + i * groups, sum + i * groups * parts, stride,
-            group_stride, parts};
-  }
-  // The chunk of `rows` rows from row m0 (a multiple of the chunk size quantize_rows took).
-  QuantizedRows chunk(int64_t m0, int64_t rows, int64_t k) const {
-    QuantizedRows c = rows_from(m0, k);
-    if constexpr (kGroupMajor) {  // after m0 rows' codes (whole chunks), group by group
-      c.codes = codes + m0 * k * kPickCopies;
-      c.group_stride = rows * stride;
-    }
-    return c;
+    return {codes + i * stride, scale + i * groups, sum + i * groups * parts, stride, parts};
   }
 };
 
-// x's rows quantized, laid out for chunks of `chunk` rows (kGroupMajor).
+// x's rows quantized.
 template <bool kNibbleOrder, bool kHalfSums, typename T>
-QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, int64_t chunk) {
+QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   thread_local std::vector<ActCode> codes_buf;  // plain memory: ~120 calls a step
   thread_local std::vector<float> scale_buf, sum_buf;
-  constexpr int64_t kGroupCodes = kGroup * kPickCopies;
   constexpr int64_t kLine = 64 / sizeof(ActCode);  // codes a cache line
   constexpr int64_t kParts = kHalfSums ? 2 : 1;
   const int64_t groups = k / kGroup;
-  codes_buf.resize(m * groups * kGroupCodes + kLine);
+  codes_buf.resize(m * k + kLine);
   scale_buf.resize(m * groups);
   sum_buf.resize(m * groups * kParts);
   // The pool's threads would see their own thread_local vectors: they get this one's memory.
@@ -203,15 +181,11 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, int64_t chunk) {
   codes += (kLine - reinterpret_cast<uintptr_t>(codes) / sizeof(ActCode) % kLine) % kLine;
   float* scale = scale_buf.data();
   float* sum = sum_buf.data();
-  // Group-major: group_stride comes with each chunk (chunk()).
-  const QuantizedRows q =
-      kGroupMajor ? QuantizedRows{codes, scale, sum, kGroupCodes, 0, kParts}
-                  : QuantizedRows{codes, scale, sum, k * kPickCopies, kGroupCodes, kParts};
+  const QuantizedRows q{codes, scale, sum, k, kParts};
   at::parallel_for(0, m * groups, 256, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
-      const int64_t row = i / groups, m0 = row / chunk * chunk;
-      ActCode* to = q.chunk(m0, std::min(chunk, m - m0), k).pick(row - m0, i % groups);
-      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, to, scale + i, sum + i * kParts);
+      quantize_group<kNibbleOrder, kHalfSums>(x + i * kGroup, codes + i * kGroup, scale + i,
+                                              sum + i * kParts);
     }
   });
   return q;
@@ -407,11 +381,8 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w,
           _mm256_storeu_ps(tile_offsets + (g * kParts + part) * kTileCols + h * 8, m);
         }
         for (int64_t i = 0; i < rows; ++i) {
-          // Inputs 4j..4j + 3 in every 32-bit lane of a[j] (kPickCopies).
-          const auto* a = reinterpret_cast<const __m256i*>(x.pick(i, g));
-          const auto product = [&](int j) {
-            return _mm256_maddubs_epi16(code[j], _mm256_load_si256(a + j));
-          };
+          const uint8_t* a = x.pick(i, g);
+          const auto product = [&](int j) { return _mm256_maddubs_epi16(code[j], pick4(a, j)); };
           float* o = acc + i * kTileCols + h * 8;
           __m256 r = _mm256_load_ps(o);
           const __m256 s = _mm256_set1_ps(x.scale[i * groups + g]);
@@ -495,10 +466,10 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const BlockFor
             _mm_loadl_epi64(reinterpret_cast<const __m128i*>(scale + 8 + 4 * h)));
         const __m256 d = _mm256_cvtph_ps(halves);
         for (int64_t i = 0; i < rows; ++i) {
-          const auto* a = reinterpret_cast<const __m256i*>(x.pick(i, g));
+          const uint8_t* a = x.pick(i, g);
           const auto product = [&](int s) {  // 4 inputs x 8 columns, summed per column
             const __m256i sign = _mm256_load_si256(reinterpret_cast<const __m256i*>(signs[s]));
-            const __m256i signed_a = _mm256_sign_epi8(_mm256_load_si256(a + s), sign);
+            const __m256i signed_a = _mm256_sign_epi8(pick4(a, s), sign);
             return _mm256_madd_epi16(_mm256_maddubs_epi16(size[s], signed_a), ones);
           };
           // Summed in pairs as they come: the 8 codes' registers leave few for products.
@@ -668,22 +639,16 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n) {
-  // Copied codes (kPickCopies) are 8 times the bytes: chunks of at most 256 KB of them stay in
-  // L2 beside the tiles (32 rows at k = 576, 16 at k = 1536; 64 and 32 rows measured 2-10%
-  // slower on AMD Zen 1).
-  const int64_t chunk =
-      kPickCopies > 1
-          ? std::clamp<int64_t>((256 << 10) / (kPickCopies * k) / 8 * 8, 8, kChunkRows / 2)
-          : kChunkRows;
+  constexpr int64_t chunk = kChunkRows;  // 32 and 128 rows measured no faster on AMD Zen 3
   // Nibble-tile codes (all but Q8_0's) take the activations in their nibbles' order.
-  const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k, chunk);
+  const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k);
   // One parallel region, not one a chunk (a 2048-token prefill step met ~4,000 barriers); the
   // threads claim a chunk's tiles before the next chunk's, so each chunk is read from memory
   // once (a claim's tiles through every chunk had streamed all of x per claim).
   parallel_chunk_tiles((m + chunk - 1) / chunk, n / kTileCols,
                        [&](int64_t c, int64_t begin, int64_t end) {
                          const int64_t m0 = c * chunk, rows = std::min(chunk, m - m0);
-                         chunk_tiles(q.chunk(m0, rows, k), rows, k, w, bias, y + m0 * n, n,
+                         chunk_tiles(q.rows_from(m0, k), rows, k, w, bias, y + m0 * n, n,
                                      begin, end);
                        });
 }
