@@ -1,17 +1,21 @@
 """Packed block-type linears (Q4_1 and Q8_0: `ops().quant_linear`) at the default model's
 shapes, as a step calls them: the level's default dtype (bfloat16 where the CPU computes it
 natively, else float32) and int8 products over quantized activations; best of rounds, ms a
-call and GOP/s. Compare builds by running them alternately (this prints one build's figures).
+call and GOP/s. With --builds, two builds (scripts/build_cpu_kernels_as.py) loaded into this
+process are called alternately, each round, and compared.
 
     [PAGEDSERVE_CPU_ISA=LEVEL] python scripts/bench_cpu_block_linear.py [--rows 1,32,512]
+        [--builds OLD.so,NEW.so]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 import time
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -45,17 +49,26 @@ def packed(n: int, k: int, bits: int, gen: torch.Generator) -> PackedWeight:
     return weight
 
 
+def load_build(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", default="1,32,512", help="rows of x (tokens in the step)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--calls", type=int, default=10, help="calls timed per round")
+    parser.add_argument("--builds", default=None, help="OLD.so,NEW.so: compare two builds")
     args = parser.parse_args()
-    kernels = ops()
+    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else [ops()]
     dtype = torch.bfloat16 if isa.native_bf16() else torch.float32
     gen = torch.Generator().manual_seed(0)
     weights = {name: (packed(n, k, bits, gen), n, k) for name, n, k, bits in SHAPES}
-    print(f"kernel level {kernels.kernel_level()}, {dtype} activations, ms a call (GOP/s):")
+    unit = "GOP/s, old -> new" if args.builds else "ms a call (GOP/s)"
+    print(f"kernel level {builds[0].kernel_level()}, {dtype} activations, {unit}:")
     print("| rows | " + " | ".join(weights) + " |")
     print("|---:|" + "---:|" * len(weights))
     for rows in map(int, args.rows.split(",")):
@@ -63,15 +76,20 @@ def main() -> None:
         for weight, n, k in weights.values():
             x = torch.randn(rows, k, generator=gen).to(dtype)
             call_args = weight.kernel_args(None)
-            for _ in range(3):
-                kernels.quant_linear(x, *call_args)
-            best = float("inf")
+            outputs = [kernels.quant_linear(x, *call_args) for kernels in builds]
+            torch.testing.assert_close(outputs[-1], outputs[0], rtol=1e-4, atol=1e-3)
+            best = [float("inf")] * len(builds)
             for _ in range(args.rounds):
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    kernels.quant_linear(x, *call_args)
-                best = min(best, (time.perf_counter() - start) / args.calls)
-            cells.append(f"{best * 1e3:.3f} ({2 * rows * n * k / best / 1e9:.0f})")
+                for i, kernels in enumerate(builds):
+                    start = time.perf_counter()
+                    for _ in range(args.calls):
+                        kernels.quant_linear(x, *call_args)
+                    best[i] = min(best[i], (time.perf_counter() - start) / args.calls)
+            gops = [2 * rows * n * k / b / 1e9 for b in best]
+            if args.builds:
+                cells.append(f"{gops[0]:.0f} -> {gops[1]:.0f} ({best[0] / best[1]:.2f}x)")
+            else:
+                cells.append(f"{best[0] * 1e3:.3f} ({gops[0]:.0f})")
         print(f"| {rows} | " + " | ".join(cells) + " |")
 
 
