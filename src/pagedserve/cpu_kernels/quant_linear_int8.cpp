@@ -13,7 +13,7 @@
 //   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
 //   inputs of a row are broadcast from memory (pick4). Eight copies of them stored at
 //   quantization, read by plain loads, had made a chunk's activations 8x the bytes, read from
-//   L2 at every tile: the broadcasts measured 1.0-1.12x faster on AMD Zen 3 (where an earlier
+//   L2 at every tile: the broadcasts measured 1.0-1.15x faster on AMD Zen 3 (where an earlier
 //   form of them had cost 15-20% on AMD Zen 1, whose 256-bit ops are two). Eight-bit codes are
 //   signed: |c| times a with c's sign (vpsignb), each product pair widened at once; from
 //   kInt8EightBitMinRows rows on (quant_kernels.h).
@@ -41,7 +41,9 @@
 
 namespace {
 
-constexpr int64_t kChunkRows = 64;  // rows of x a sweep over the tiles reads (int8: 96 KB)
+// Rows of x a sweep over the tiles reads (int8: 96 KB at k = 1536); 32 and 128 measured no
+// faster on AMD Zen 3.
+constexpr int64_t kChunkRows = 64;
 
 // Products of a Bits-wide unsigned code and an int8 activation (|a| <= 127) that a 16-bit sum
 // holds: 16 for 4 bits (30,480), 8 for 5, 4 for 6.
@@ -61,8 +63,6 @@ constexpr bool kVnni = false;
 
 using ActCode = uint8_t;  // the byte operand of vpmaddubsw / vpdpbusd
 
-// Copies of each 4 codes a quantized row holds: 8 (a 32-byte register's worth) where
-// vpmaddubsw multiplies them, 1 for vpdpbusd's broadcasts.
 // Inputs 4j..4j + 3 of a row's group (its codes p) in every 32-bit lane: vpbroadcastd from
 // memory, an op of the load pipes alone.
 inline __m256i pick4(const uint8_t* p, int j) {
@@ -86,8 +86,7 @@ inline float reduce_max(__m256 v) {
 // (kNibbleOrder): the codes of each 8 inputs in the order a nibble quad's 32-bit lane holds a
 // column's codes (quant_layout.h), inputs 0, 4, 1, 5 in its low nibbles, 2, 6, 3, 7 in its high
 // ones. Eight-bit codes': inputs in order, a + 128 (unsigned) for vpdpbusd, a for vpsignb.
-// The sum is the
-// group's, or with kHalfSums its two halves' (inputs 0-15, 16-31).
+// The sum is the group's, or with kHalfSums its two halves' (inputs 0-15, 16-31).
 template <bool kNibbleOrder, bool kHalfSums, typename T>
 inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum) {
   __m256 v[4];
@@ -639,15 +638,14 @@ void chunk_tiles(const QuantizedRows& x, int64_t rows, int64_t k, const F& w, co
 template <typename T, typename F>
 void int8_linear(const T* x, int64_t m, int64_t k, const F& w, const float* bias, T* y,
                  int64_t n) {
-  constexpr int64_t chunk = kChunkRows;  // 32 and 128 rows measured no faster on AMD Zen 3
   // Nibble-tile codes (all but Q8_0's) take the activations in their nibbles' order.
   const QuantizedRows q = quantize_rows<F::kBits != 8, F::kHalvesDiffer>(x, m, k);
   // One parallel region, not one a chunk (a 2048-token prefill step met ~4,000 barriers); the
   // threads claim a chunk's tiles before the next chunk's, so each chunk is read from memory
   // once (a claim's tiles through every chunk had streamed all of x per claim).
-  parallel_chunk_tiles((m + chunk - 1) / chunk, n / kTileCols,
+  parallel_chunk_tiles((m + kChunkRows - 1) / kChunkRows, n / kTileCols,
                        [&](int64_t c, int64_t begin, int64_t end) {
-                         const int64_t m0 = c * chunk, rows = std::min(chunk, m - m0);
+                         const int64_t m0 = c * kChunkRows, rows = std::min(kChunkRows, m - m0);
                          chunk_tiles(q.rows_from(m0, k), rows, k, w, bias, y + m0 * n, n,
                                      begin, end);
                        });
