@@ -11,13 +11,12 @@ process are called alternately, each round, and compared.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 
 import torch
+from kernel_builds import load_build  # scripts/: the script's own folder
 
 from pagedserve.cpu_kernels import isa, ops
 from pagedserve.models.quant_weight import PackedWeight
@@ -47,13 +46,6 @@ def packed(n: int, k: int, bits: int, gen: torch.Generator) -> PackedWeight:
         weight = PackedWeight.pack([quant_weight(codes, scales, None)])
     weight.int8_activations = True
     return weight
-
-
-def load_build(path: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(Path(path).stem, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def main() -> None:
