@@ -16,9 +16,8 @@ import time
 from pathlib import Path
 
 import torch
-from kernel_builds import load_build  # scripts/: the script's own folder
 
-from pagedserve.cpu_kernels import isa, ops
+from pagedserve.cpu_kernels import import_library, isa, ops
 from pagedserve.models.quant_weight import PackedWeight
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
@@ -55,7 +54,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="calls timed per round")
     parser.add_argument("--builds", default=None, help="OLD.so,NEW.so: compare two builds")
     args = parser.parse_args()
-    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else [ops()]
+    builds = [import_library(p) for p in args.builds.split(",")] if args.builds else [ops()]
     dtype = torch.bfloat16 if isa.native_bf16() else torch.float32
     gen = torch.Generator().manual_seed(0)
     weights = {name: (packed(n, k, bits, gen), n, k) for name, n, k, bits in SHAPES}

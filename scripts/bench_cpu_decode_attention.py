@@ -17,10 +17,9 @@ import argparse
 import time
 
 import torch
-from kernel_builds import load_build  # scripts/: the script's own folder
 
 from pagedserve.attention.int8_pages import to_cache
-from pagedserve.cpu_kernels import ops
+from pagedserve.cpu_kernels import import_library, ops
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, PAGE_SIZE = 9, 3, 64, 16
 PAGE_DTYPES = {
@@ -39,7 +38,7 @@ def main() -> None:
     parser.add_argument("--query-dtype", choices=sorted(PAGE_DTYPES), default="float32")
     parser.add_argument("--builds", default=None, help="OLD.so,NEW.so: compare two builds")
     args = parser.parse_args()
-    builds = [load_build(p) for p in args.builds.split(",")] if args.builds else [ops()]
+    builds = [import_library(p) for p in args.builds.split(",")] if args.builds else [ops()]
     page_dtypes = PAGE_DTYPES[args.query_dtype]
     print(
         f"kernel level {builds[0].kernel_level()}, batch {args.batch}, "

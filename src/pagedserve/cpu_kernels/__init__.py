@@ -63,8 +63,10 @@ def _inputs_digest(level: str) -> str:
     return digest.hexdigest()
 
 
-def _import_library(name: str, path: Path) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, path)
+def import_library(path: Path, name: str | None = None) -> ModuleType:
+    """The compiled extension at path (its module name: the file's stem unless given); the
+    benchmarks' --builds load two builds of the kernels with it."""
+    spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -85,7 +87,7 @@ def ops_for(level: str) -> ModuleType:
         with open(build_dir / FLOCK, "w") as guard:
             fcntl.flock(guard, fcntl.LOCK_SH)
             if stamp.exists() and stamp.read_text() == inputs:
-                module = _import_library(name, library)
+                module = import_library(library, name)
     if module is None:
         module = _build(level, name, build_dir, inputs)
     if module.kernel_level() != level:
