@@ -63,7 +63,7 @@ def _inputs_digest(level: str) -> str:
     return digest.hexdigest()
 
 
-def import_library(path: Path, name: str | None = None) -> ModuleType:
+def import_library(path: Path | str, name: str | None = None) -> ModuleType:
     """The compiled extension at path (its module name: the file's stem unless given); the
     benchmarks' --builds load two builds of the kernels with it."""
     spec = importlib.util.spec_from_file_location(name or Path(path).stem, path)
