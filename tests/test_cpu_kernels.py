@@ -189,6 +189,7 @@ CASES = [
     (8, 128, BF16, 16, I8),
     (5, 64, F32, 4, I8),
     (2, 128, F16, 32, I8),
+    (3, 128, F32, 4, I8),  # AVX2: 3 heads x 32 dims a pass over the values, each row's scale
 ]
 
 

@@ -89,9 +89,10 @@ void decode_unit(const T* q, const C* kc, const C* vc, T* out, const int64_t* pa
 // avx2).
 // Here scores are summed over 2 tokens x up to 3 heads at once (6 accumulators; the query
 // rows read from L1) and reduced across lanes 8 tokens at a time; the weighted sum of values
-// keeps 3 heads x 16 dims in registers over all tokens. AVX2 has 16 registers: 4 tokens x 3
-// heads and 3 heads x 32 dims had kept an accumulator, or all of them, on the stack (a store
-// and a reload each token: decode attention ~3x its FMAs' time on AMD Zen 1).
+// keeps 3 heads x 32 dims in registers over all tokens (unit_values3: 12 of AVX2's 16
+// registers, named one by one), fewer heads x 16 dims. 4 tokens x 3 heads, and 3 heads x 32
+// dims held in an array, had kept an accumulator, or all of them, on the stack (a store and a
+// reload each token: decode attention ~3x its FMAs' time on AMD Zen 1).
 
 // The lane sums of v[0..7], in order.
 inline __m256 lane_sums(const __m256* v) {
@@ -196,13 +197,62 @@ inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row
   }
 }
 
+// unit_values for 3 query heads (the default model's 9 / 3) over 32 dims a pass: half the
+// passes over the tokens, 12 sums in named registers (held in an array, GCC stored all 12 to
+// the stack every token). Against 16 dims a pass, batch 32, float16 pages, 30 layers' pools:
+// 8-17% less time on AMD Zen 3 (benchmarks/RESULTS.md, stop 46).
+template <typename T, typename Row>
+inline void unit_values3(const float* probs, int64_t stride, int64_t n, const Row& row,
+                         int64_t c0, int64_t d, T* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
+         b3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
+  for (int64_t t = 0; t < n; ++t) {
+    prefetch_row(row(std::min(t + kPrefetchRows, n - 1)) + c0, 32);
+    const auto* r = row(t) + c0;
+    __m256 p = _mm256_broadcast_ss(probs + t), q = _mm256_broadcast_ss(probs + stride + t),
+           u = _mm256_broadcast_ss(probs + 2 * stride + t);
+    if constexpr (std::is_same_v<RowElement<Row>, int8_t>) {
+      const __m256 scale = _mm256_set1_ps(row_scale(row(t), d));
+      p = _mm256_mul_ps(p, scale);
+      q = _mm256_mul_ps(q, scale);
+      u = _mm256_mul_ps(u, scale);
+    }
+    __m256 v = load8_f32(r);
+    a0 = _mm256_fmadd_ps(p, v, a0);
+    b0 = _mm256_fmadd_ps(q, v, b0);
+    e0 = _mm256_fmadd_ps(u, v, e0);
+    v = load8_f32(r + 8);
+    a1 = _mm256_fmadd_ps(p, v, a1);
+    b1 = _mm256_fmadd_ps(q, v, b1);
+    e1 = _mm256_fmadd_ps(u, v, e1);
+    v = load8_f32(r + 16);
+    a2 = _mm256_fmadd_ps(p, v, a2);
+    b2 = _mm256_fmadd_ps(q, v, b2);
+    e2 = _mm256_fmadd_ps(u, v, e2);
+    v = load8_f32(r + 24);
+    a3 = _mm256_fmadd_ps(p, v, a3);
+    b3 = _mm256_fmadd_ps(q, v, b3);
+    e3 = _mm256_fmadd_ps(u, v, e3);
+  }
+  const __m256 sums[3][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {e0, e1, e2, e3}};
+  alignas(32) float lanes[32];
+  for (int64_t j = 0; j < 3; ++j) {
+    for (int c = 0; c < 4; ++c) _mm256_store_ps(lanes + 8 * c, sums[j][c]);
+    for (int i = 0; i < 32; ++i) out[j * d + c0 + i] = from_f<T>(lanes[i]);
+  }
+}
+
 template <int64_t G, typename T, typename Keys, typename Values>
 inline void unit_heads(const float* qf, int64_t d, int64_t n, const Keys& keys,
                        const Values& values, float* scores, int64_t stride, T* out) {
   unit_scores<G>(qf, d, n, keys, scores, stride);
   for (int64_t j = 0; j < G; ++j) softmax_(scores + j * stride, n);
-  for (int64_t c0 = 0; c0 < d; c0 += kValueDims) {
-    unit_values<G>(scores, stride, n, values, c0, d, out);
+  if constexpr (G == 3) {
+    for (int64_t c0 = 0; c0 < d; c0 += 32) unit_values3(scores, stride, n, values, c0, d, out);
+  } else {
+    for (int64_t c0 = 0; c0 < d; c0 += kValueDims) {
+      unit_values<G>(scores, stride, n, values, c0, d, out);
+    }
   }
 }
 
