@@ -165,6 +165,14 @@ inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, f
   }
 }
 
+// out[0, 8N) = the lanes of v[0..N), in out's type.
+template <int N, typename T>
+inline void store_dims(const __m256 (&v)[N], T* out) {
+  alignas(32) float lanes[8 * N];
+  for (int c = 0; c < N; ++c) _mm256_store_ps(lanes + 8 * c, v[c]);
+  for (int i = 0; i < 8 * N; ++i) out[i] = from_f<T>(lanes[i]);
+}
+
 constexpr int64_t kValueDims = 16;  // dims of the values a pass over the tokens sums
 
 // out[j * d + c] for query heads [0, G), dims [c0, c0 + kValueDims): sum over tokens of
@@ -189,12 +197,7 @@ inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row
       acc[j][1] = _mm256_fmadd_ps(p, v1, acc[j][1]);
     }
   }
-  alignas(32) float sums[kValueDims];
-  for (int64_t j = 0; j < G; ++j) {
-    _mm256_store_ps(sums, acc[j][0]);
-    _mm256_store_ps(sums + 8, acc[j][1]);
-    for (int i = 0; i < kValueDims; ++i) out[j * d + c0 + i] = from_f<T>(sums[i]);
-  }
+  for (int64_t j = 0; j < G; ++j) store_dims(acc[j], out + j * d + c0);
 }
 
 // unit_values for 3 query heads (the default model's 9 / 3) over 32 dims a pass: half the
@@ -217,29 +220,20 @@ inline void unit_values3(const float* probs, int64_t stride, int64_t n, const Ro
       q = _mm256_mul_ps(q, scale);
       u = _mm256_mul_ps(u, scale);
     }
-    __m256 v = load8_f32(r);
-    a0 = _mm256_fmadd_ps(p, v, a0);
-    b0 = _mm256_fmadd_ps(q, v, b0);
-    e0 = _mm256_fmadd_ps(u, v, e0);
-    v = load8_f32(r + 8);
-    a1 = _mm256_fmadd_ps(p, v, a1);
-    b1 = _mm256_fmadd_ps(q, v, b1);
-    e1 = _mm256_fmadd_ps(u, v, e1);
-    v = load8_f32(r + 16);
-    a2 = _mm256_fmadd_ps(p, v, a2);
-    b2 = _mm256_fmadd_ps(q, v, b2);
-    e2 = _mm256_fmadd_ps(u, v, e2);
-    v = load8_f32(r + 24);
-    a3 = _mm256_fmadd_ps(p, v, a3);
-    b3 = _mm256_fmadd_ps(q, v, b3);
-    e3 = _mm256_fmadd_ps(u, v, e3);
+    // Dims [8c, 8c + 8) of the row into each head's sums.
+    const auto add = [&](int c, __m256& x, __m256& y, __m256& z) {
+      const __m256 v = load8_f32(r + 8 * c);
+      x = _mm256_fmadd_ps(p, v, x);
+      y = _mm256_fmadd_ps(q, v, y);
+      z = _mm256_fmadd_ps(u, v, z);
+    };
+    add(0, a0, b0, e0);
+    add(1, a1, b1, e1);
+    add(2, a2, b2, e2);
+    add(3, a3, b3, e3);
   }
   const __m256 sums[3][4] = {{a0, a1, a2, a3}, {b0, b1, b2, b3}, {e0, e1, e2, e3}};
-  alignas(32) float lanes[32];
-  for (int64_t j = 0; j < 3; ++j) {
-    for (int c = 0; c < 4; ++c) _mm256_store_ps(lanes + 8 * c, sums[j][c]);
-    for (int i = 0; i < 32; ++i) out[j * d + c0 + i] = from_f<T>(lanes[i]);
-  }
+  for (int64_t j = 0; j < 3; ++j) store_dims(sums[j], out + j * d + c0);
 }
 
 template <int64_t G, typename T, typename Keys, typename Values>
