@@ -360,7 +360,8 @@ inline void add_offsets(float* o, const float* sums, int64_t parts, const float*
     r[i][1] = _mm256_load_ps(o + i * kTileCols + 8);
   }
   for (int64_t p = 0; p < parts; ++p) {
-    const __m256 m0 = _mm256_loadu_ps(m + p * kTileCols), m1 = _mm256_loadu_ps(m + p * kTileCols + 8);
+    const __m256 m0 = _mm256_loadu_ps(m + p * kTileCols);
+    const __m256 m1 = _mm256_loadu_ps(m + p * kTileCols + 8);
     for (int i = 0; i < R; ++i) {
       const __m256 sum = _mm256_set1_ps(sums[i * parts + p]);
       r[i][0] = _mm256_fmadd_ps(sum, m0, r[i][0]);
