@@ -103,18 +103,31 @@ inline __m256 lane_sums(const __m256* v) {
 
 constexpr int64_t kUnitHeads = 3;  // query heads a pass
 
-// Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: a row
-// kPrefetchRows tokens ahead is fetched while this one is used.
-constexpr int64_t kPrefetchRows = 16;
+// Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: rows
+// kPrefetchRows tokens ahead are fetched while these are used. 16 (~25 ns of work ahead of a
+// ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 96 took 9-15% off it
+// and 22-27% off the AVX2 unit over float16 pages (AMD Zen 5, batch 32, 30 layers' pools;
+// benchmarks/RESULTS.md, stop 48).
+constexpr int64_t kPrefetchRows = 96;
 // The lines of d elements from row (and of an int8 row's scale after them), wherever the row
-// starts in its first line (an int8 row of 68 bytes mostly spans two).
+// starts in its first line (an int8 row of 68 bytes mostly spans two). In asm: GCC deletes a
+// loop whose body is _mm_prefetch alone as an empty loop (C++'s finite loops), as it did
+// prefetch_ahead_rows' at -O3.
 template <typename T>
 inline void prefetch_row(const T* row, int64_t d) {
   const auto begin = reinterpret_cast<uintptr_t>(row);
   const uintptr_t end = begin + (d + kRowExtra<T>) * sizeof(T);
   for (uintptr_t line = begin & ~uintptr_t{63}; line < end; line += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(line), _MM_HINT_T0);
+    asm volatile("prefetcht0 (%0)" : : "r"(line));
   }
+}
+
+// At token t of a pass over n tokens that takes `step` a time: d elements of each row
+// kPrefetchRows ahead, and at t = 0 of every row up to there. row(t): token t's row.
+template <typename Row>
+inline void prefetch_ahead_rows(const Row& row, int64_t t, int64_t step, int64_t n, int64_t d) {
+  const int64_t end = std::min(n, t + kPrefetchRows + step);
+  for (int64_t u = t == 0 ? 0 : t + kPrefetchRows; u < end; ++u) prefetch_row(row(u), d);
 }
 
 // The cache element type of row lambdas.
@@ -128,9 +141,7 @@ template <int64_t G, typename Row>
 inline void unit_scores(const float* qf, int64_t d, int64_t n, const Row& row, float* scores,
                         int64_t stride) {
   for (int64_t t0 = 0; t0 < n; t0 += 8) {
-    for (int64_t t = t0 + kPrefetchRows; t < std::min(n, t0 + kPrefetchRows + 8); ++t) {
-      prefetch_row(row(t), d);
-    }
+    prefetch_ahead_rows(row, t0, 8, n, d);
     __m256 part[G][8];
     for (int64_t u0 = 0; u0 < 8; u0 += 2) {
       const auto* r0 = row(std::min(t0 + u0, n - 1));
@@ -183,7 +194,7 @@ inline void unit_values(const float* probs, int64_t stride, int64_t n, const Row
   __m256 acc[G][2];
   for (int64_t j = 0; j < G; ++j) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
   for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetchRows < n) prefetch_row(row(t + kPrefetchRows) + c0, kValueDims);
+    prefetch_ahead_rows([&](int64_t u) { return row(u) + c0; }, t, 1, n, kValueDims);
     const auto* r = row(t) + c0;
     __m256 v0 = load8_f32(r), v1 = load8_f32(r + 8);
     if constexpr (std::is_same_v<RowElement<Row>, int8_t>) {
@@ -210,7 +221,7 @@ inline void unit_values3(const float* probs, int64_t stride, int64_t n, const Ro
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0,
          b3 = a0, e0 = a0, e1 = a0, e2 = a0, e3 = a0;
   for (int64_t t = 0; t < n; ++t) {
-    prefetch_row(row(std::min(t + kPrefetchRows, n - 1)) + c0, 32);
+    prefetch_ahead_rows([&](int64_t u) { return row(u) + c0; }, t, 1, n, 32);
     const auto* r = row(t) + c0;
     __m256 p = _mm256_broadcast_ss(probs + t), q = _mm256_broadcast_ss(probs + stride + t),
            u = _mm256_broadcast_ss(probs + 2 * stride + t);
@@ -349,7 +360,7 @@ inline void int8_values(const float* probs, int64_t stride, int64_t n, const int
     for (int64_t i = 0; i < kSteps; ++i) acc[j][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < n; ++t) {
-    if (t + kPrefetchRows < n) prefetch_row(vc + at[t + kPrefetchRows], D);
+    prefetch_ahead_rows([=](int64_t u) { return vc + at[u]; }, t, 1, n, D);
     const int8_t* r = vc + at[t];
     const float scale = row_scale(r, D);
     __m512 x[kSteps];
@@ -392,7 +403,7 @@ struct Avx512Int8Unit {
       }
     }
     for (int64_t t0 = 0; t0 < n; t0 += 16) {
-      for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_row(kc + at[t], D);
+      prefetch_ahead_rows([=](int64_t u) { return kc + at[u]; }, t0, 16, n, D);
       __m512 v[G][16];
       alignas(64) float key_scales[16];
       for (int u = 0; u < 16; ++u) {
@@ -442,7 +453,7 @@ inline void bf16_scores(const at::BFloat16* q, int64_t g, int64_t n, const Row& 
   constexpr int64_t kSteps = D / 32;
   const __m512 scale_v = _mm512_set1_ps(scale);
   for (int64_t t0 = 0; t0 < n; t0 += 16) {
-    for (int64_t t = t0 + 16; t < std::min(n, t0 + 32); ++t) prefetch_row(row(t), D);
+    prefetch_ahead_rows(row, t0, 16, n, D);
     const at::BFloat16* r[16];
     for (int u = 0; u < 16; ++u) r[u] = row(std::min(t0 + u, n - 1));  // past n: the last again
     for (int64_t j = 0; j < g; ++j) {
@@ -496,9 +507,7 @@ inline void bf16_values(const uint32_t* p, int64_t pairs, int64_t n, const Row& 
     for (int64_t i = 0; i < 2 * kSteps; ++i) acc[j][i] = _mm512_setzero_ps();
   }
   for (int64_t t = 0; t < n; t += 2) {
-    for (int64_t ahead = t + kPrefetchRows; ahead < std::min(n, t + kPrefetchRows + 2); ++ahead) {
-      prefetch_row(row(ahead), D);
-    }
+    prefetch_ahead_rows(row, t, 2, n, D);
     const at::BFloat16* a = row(t);
     const at::BFloat16* b = t + 1 < n ? row(t + 1) : a;  // an odd last token pairs with p = 0
     __m512i lo[kSteps], hi[kSteps];
