@@ -105,7 +105,7 @@ constexpr int64_t kUnitHeads = 3;  // query heads a pass
 
 // Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: rows
 // kPrefetchRows tokens ahead are fetched while these are used. 16 (~25 ns of work ahead of a
-// ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 96 took 9-15% off it
+// ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 96 took 0-11% off it
 // and 22-27% off the AVX2 unit over float16 pages (AMD Zen 5, batch 32, 30 layers' pools;
 // benchmarks/RESULTS.md, stop 48).
 constexpr int64_t kPrefetchRows = 96;
