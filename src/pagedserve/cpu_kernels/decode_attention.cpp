@@ -104,7 +104,7 @@ inline __m256 lane_sums(const __m256* v) {
 constexpr int64_t kUnitHeads = 3;  // query heads a pass
 
 // Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: rows
-// kPrefetchRows tokens ahead are fetched while these are used. 16 (~25 ns of work ahead of a
+// kPrefetchRows tokens ahead are fetched while these are used. 16 (~30 ns of work ahead of a
 // ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 96 took 0-11% off it
 // and 22-27% off the AVX2 unit over float16 pages (AMD Zen 5, batch 32, 30 layers' pools;
 // benchmarks/RESULTS.md, stop 48).
