@@ -105,10 +105,11 @@ constexpr int64_t kUnitHeads = 3;  // query heads a pass
 
 // Rows sit in pages anywhere in the pool, beyond the hardware prefetcher's reach: rows
 // kPrefetchRows tokens ahead are fetched while these are used. 16 (~30 ns of work ahead of a
-// ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 96 took 0-11% off it
-// and 22-27% off the AVX2 unit over float16 pages (AMD Zen 5, batch 32, 30 layers' pools;
-// benchmarks/RESULTS.md, stop 48).
-constexpr int64_t kPrefetchRows = 96;
+// ~100 ns miss) left the bfloat16 unit at a third of its in-cache speed; 48 took 15-22% off it
+// and 22-31% off the AVX2 unit over float16 pages at contexts 100-400 (AMD Zen 5, batch 32, 30
+// layers' pools); 32, 64, 96 and 160 measured slower or no faster (benchmarks/RESULTS.md,
+// stop 48).
+constexpr int64_t kPrefetchRows = 48;
 // The lines of d elements from row (and of an int8 row's scale after them), wherever the row
 // starts in its first line (an int8 row of 68 bytes mostly spans two). In asm: GCC deletes a
 // loop whose body is _mm_prefetch alone as an empty loop (C++'s finite loops), as it did
