@@ -12,6 +12,9 @@ from pagedserve.engine import _pick_dtype, _pick_kv_dtype
 AVX2 = {"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}
 AVX512 = AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
 ZEN3 = isa.CpuInfo("AMD EPYC 7763 64-Core Processor", "x86_64", frozenset(AVX2))
+ALDER_LAKE = isa.CpuInfo(
+    "12th Gen Intel(R) Core(TM) i7-1260P", "x86_64", frozenset(AVX2 | {"avx_vnni"})
+)
 ZEN4 = isa.CpuInfo("AMD EPYC 9R14", "x86_64", frozenset(AVX512 | {"avx512_bf16"}))
 SKYLAKE = isa.CpuInfo("Intel Xeon Gold 6148", "x86_64", frozenset(AVX512 - {"avx512_vnni"}))
 AMX = {"avx512_bf16", "amx_tile", "amx_bf16"}
@@ -40,6 +43,8 @@ def test_builds_are_named_by_level_and_cpu():
     assert "-mavx512bf16" in isa.compile_flags("avx512", ZEN4)
     assert "-mavx512bf16" not in isa.compile_flags("avx512", SKYLAKE)
     assert isa.compile_flags("avx2", ZEN4) == isa.compile_flags("avx2", ZEN3)
+    assert isa.compile_flags("avx2", ALDER_LAKE) == [*isa.compile_flags("avx2", ZEN3), "-mavxvnni"]
+    assert ALDER_LAKE.best_level == "avx2"
     assert not any(f.startswith("-march") for lv in isa.LEVELS for f in isa.compile_flags(lv))
     tags = {isa.target_tag(lv, cpu) for lv in isa.LEVELS for cpu in (ZEN3, ZEN4, SAPPHIRE)}
     assert len(tags) == 3 * len(isa.LEVELS)  # never one CPU's binary for another

@@ -41,8 +41,13 @@ _FLAGS = {
     + ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mprefer-vector-width=512"],
 }
 _FLAGS["amx"] = [*_FLAGS["avx512"], "-mavx512bf16", "-mavx512vnni", "-mamx-tile", "-mamx-bf16"]
-# Optional features the avx512 level uses where the CPU has them (AMD Zen 4 has both).
-_AVX512_EXTRAS = {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"}
+# Optional features a level uses where the CPU has them: AVX-VNNI's 256-bit integer products
+# at avx2 (Intel from Alder Lake and Sapphire Rapids on, AMD Zen 5); BF16 and VNNI at avx512
+# (AMD Zen 4 has both).
+_EXTRAS = {
+    "avx2": {"avx_vnni": "-mavxvnni"},
+    "avx512": {"avx512_bf16": "-mavx512bf16", "avx512_vnni": "-mavx512vnni"},
+}
 
 
 @dataclass(frozen=True)
@@ -132,10 +137,13 @@ def native_bf16(level: str | None = None) -> bool:
 
 def compile_flags(level: str, cpu: CpuInfo | None = None) -> list[str]:
     cpu = cpu or cpu_info()
-    flags = list(_FLAGS[level])
-    if level == "avx512":
-        flags += [flag for feature, flag in _AVX512_EXTRAS.items() if feature in cpu.flags]
-    return flags
+    extras = _EXTRAS.get(level, {})
+    return _FLAGS[level] + [flag for feature, flag in extras.items() if feature in cpu.flags]
+
+
+def optional_features(level: str) -> frozenset[str]:
+    """The CPU features (/proc/cpuinfo names) a build at `level` uses where the CPU has them."""
+    return frozenset(_EXTRAS.get(level, {}))
 
 
 def target_tag(level: str, cpu: CpuInfo | None = None) -> str:

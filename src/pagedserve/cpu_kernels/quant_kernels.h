@@ -25,6 +25,9 @@ void many_rows_linear(const float* x, int64_t m, int64_t k, const F& w, const fl
 #define PAGEDSERVE_VNNI 1
 #elif defined(PAGEDSERVE_AVX2)
 #define PAGEDSERVE_MADDUBS 1
+#if defined(__AVXVNNI__)
+#define PAGEDSERVE_AVX_VNNI 1  // the same loops with AVX-VNNI's 256-bit vpdpbusd
+#endif
 #endif
 // Rows the integer products take: every count from AVX2 on; the portable ones up to 4 (beyond
 // that torch's matmul over decoded strips, many_rows_linear, is as fast or faster).
@@ -33,10 +36,12 @@ constexpr int64_t kInt8MaxRows = INT64_MAX;
 #else
 constexpr int64_t kInt8MaxRows = 4;
 #endif
-// Eight-bit codes without VNNI (AVX2's sign flips cost an instruction a product) take them from
-// 2 rows on (1.3-2.7x the float32 dot products at 2-8 rows of the Q8_0 lm_head, on Zen 3); one
-// row is bound by reading the codes either way.
-#ifdef PAGEDSERVE_MADDUBS
+// Eight-bit codes through AVX2's sign flips (no VNNI of either width: each costs an instruction
+// a product) take them from 2 rows on (1.3-2.7x the float32 dot products at 2-8 rows of the
+// Q8_0 lm_head, on Zen 3); one row is bound by reading the codes either way. With AVX-VNNI's
+// shifted activations one row gains too (the lm_head 1.30-1.34x, Sapphire Rapids capped to
+// avx2).
+#if defined(PAGEDSERVE_MADDUBS) && !defined(PAGEDSERVE_AVX_VNNI)
 constexpr int64_t kInt8EightBitMinRows = 2;
 #else
 constexpr int64_t kInt8EightBitMinRows = 1;
