@@ -159,9 +159,9 @@ def int8_reference(x: torch.Tensor, weight: QuantWeight) -> tuple[torch.Tensor, 
 def int8_products(level: str, dtype: torch.dtype, bits: int, rows: int) -> bool:
     """Whether quant_linear takes int8 products for these with int8_activations: in the
     portable kernels (generic) for both code widths up to 4 rows; from AVX2 on for four-bit
-    codes, and for eight-bit ones with VNNI (AVX-VNNI at avx2, AVX-512 VNNI above) or from 2 rows
-    on (AVX2's sign flips), but
-    not in bf16 steps of over 8 rows where AMX has tiles (faster there)."""
+    codes, and for eight-bit ones with VNNI (AVX-VNNI at avx2, AVX-512 VNNI above) or from 2
+    rows on (AVX2's sign flips), but not in bf16 steps of over 8 rows where AMX has tiles
+    (faster there)."""
     if level == "generic":
         return rows <= 4
     if level == "amx" and dtype == torch.bfloat16 and rows > 8:

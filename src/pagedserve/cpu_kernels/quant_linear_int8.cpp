@@ -11,14 +11,16 @@
 // - AVX2 (vpmaddubsw, vpmaddwd): 8 columns a register; a group's 8 registers of codes (K
 //   types' high bits ORed in) are shared by every row of the chunk; products are summed in 16
 //   bits as far as the code width allows (sum16_products) before vpmaddwd widens them. Each 4
-//   inputs of a row are broadcast from memory (pick4). With AVX-VNNI (Intel from Alder Lake
-//   and Sapphire Rapids on, AMD Zen 5) its 256-bit vpdpbusd takes each product quad to 32
-//   bits in one instruction, in place of vpmaddubsw, the 16-bit sums and vpmaddwd. Eight copies of them stored at
+//   inputs of a row are broadcast from memory (pick4). Eight copies of them stored at
 //   quantization, read by plain loads, had made a chunk's activations 8x the bytes, read from
 //   L2 at every tile: the broadcasts measured 1.0-1.15x faster on AMD Zen 3 (where an earlier
 //   form of them had cost 15-20% on AMD Zen 1, whose 256-bit ops are two). Eight-bit codes are
 //   signed: |c| times a with c's sign (vpsignb), each product pair widened at once; from
 //   kInt8EightBitMinRows rows on (quant_kernels.h).
+// - AVX-VNNI (the avx2 build where the CPU has it: Intel from Alder Lake and Sapphire Rapids
+//   on, AMD Zen 5): AVX2's loops, its 256-bit vpdpbusd taking each product quad to 32 bits in
+//   one instruction (in place of vpmaddubsw, the 16-bit sums and vpmaddwd); eight-bit codes
+//   against a + 128, as with AVX-512 VNNI.
 // - Portable (the generic level: SSE2, NEON, ...): 16-bit products in GCC's and Clang's
 //   vector extension, a tile row's 32 lanes (16 columns x an input pair) against the row's
 //   activation pair repeated; both lanes of a column are added once per run of rows. Four-bit
@@ -119,7 +121,9 @@ inline void quantize_group(const T* x, uint8_t* codes, float* scale, float* sum)
   // then their last four; the same permutation puts each block's two together.
   __m256i bytes = _mm256_permutevar8x32_epi32(
       _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3])), order);
-  if constexpr (kShiftedEightBit && !kNibbleOrder) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+  if constexpr (kShiftedEightBit && !kNibbleOrder) {
+    bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(-128));
+  }
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes), bytes);
 }
 
